@@ -1,0 +1,192 @@
+"""trainer/rewards.py: the built-in rewards, resolving 'module:function', and RewardComputer."""
+import pytest
+
+from trainer.config import RewardConfig
+from trainer.rewards import REGISTRY, RewardComputer, register, resolve
+
+
+def score(name: str, completions: list[str], answers: list[str] | None = None, **kwargs) -> list[float]:
+    fn = resolve(RewardConfig(name=name, kwargs=kwargs))
+    answers = answers if answers is not None else [""] * len(completions)
+    return fn(completions=completions, answers=answers, prompts=["p"] * len(completions))
+
+
+# --- built-ins ------------------------------------------------------------------------------
+
+def test_exact_answer_compares_stripped_tag_content():
+    completions = ["<output>81</output>", "<output> 81 \n</output>", "<output>18</output>", "81", "<output>81"]
+    assert score("exact_answer", completions, ["81"] * 5) == [1.0, 1.0, 0.0, 0.0, 0.0]
+
+
+def test_exact_answer_uses_the_first_tag_pair():
+    assert score("exact_answer", ["<output>1</output><output>81</output>"], ["81"]) == [0.0]
+
+
+def test_exact_answer_tag_is_configurable():
+    assert score("exact_answer", ["<answer>7</answer>", "<output>7</output>"], ["7", "7"], tag="answer") == [1.0, 0.0]
+
+
+def test_regex_answer_compares_the_first_group():
+    completions = ["The answer is 81.", "answer is  81 ", "The answer is 18", "no idea"]
+    assert score("regex_answer", completions, ["81"] * 4, pattern=r"answer is\s*(\d+)") == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_format_full_credit_for_only_the_tag_pair():
+    assert score("format", ["<output>81</output>", "  <output>81</output>\n"]) == [1.0, 1.0]
+
+
+def test_format_half_credit_for_text_outside_the_tags():
+    assert score("format", ["So: <output>81</output>", "<output>8</output><output>1</output>"]) == [0.5, 0.5]
+
+
+def test_format_no_credit_without_a_pair_or_with_empty_content():
+    assert score("format", ["81", "<output>81", "<output> </output>", "</output>81<output>"]) == [0.0, 0.0, 0.0, 0.0]
+
+
+def test_format_tag_is_configurable():
+    assert score("format", ["<answer>7</answer>"], tag="answer") == [1.0]
+
+
+def test_length_penalty_is_relative_excess_clipped_at_minus_one():
+    assert score("length_penalty", ["a" * 5, "a" * 10, "a" * 15, "a" * 100], target_chars=10) == [0.0, 0.0, -0.5, -1.0]
+
+
+def test_repetition_penalty_on_words_is_minus_ngram_repetition():
+    assert score("repetition_penalty", ["a b c a b c", "one two three four"], n=3) == [pytest.approx(-1 / 4), 0.0]
+
+
+def test_repetition_penalty_on_chars():
+    assert score("repetition_penalty", ["abababab"], n=2, unit="chars") == [pytest.approx(-5 / 7)]
+
+
+# --- resolve --------------------------------------------------------------------------------
+
+def test_user_function_by_module_and_name_gets_its_kwargs():
+    fn = resolve(RewardConfig(name="tests.reward_fixtures:length_bonus", kwargs={"scale": 0.5}))
+    assert fn(completions=["abcd", ""], answers=["", ""], prompts=["", ""]) == [2.0, 0.0]
+
+
+def test_trl_style_user_function_finds_answers_in_kwargs():
+    fn = resolve(RewardConfig(name="tests.reward_fixtures:trl_style"))
+    assert fn(completions=["7 ", "8"], answers=["7", "7"], prompts=["", ""]) == [1.0, 0.0]
+
+
+def test_unknown_module_names_the_spec_and_the_fix():
+    with pytest.raises(ValueError) as e:
+        resolve(RewardConfig(name="no_such_module_xyz:bar"), index=2)
+    assert str(e.value).startswith("rewards[2].name='no_such_module_xyz:bar': module 'no_such_module_xyz' not found; "
+                                   "give a built-in (exact_answer, ")
+    assert "importable module:function" in str(e.value)
+
+
+def test_missing_function_is_named():
+    with pytest.raises(ValueError, match=r"rewards\[0\]\.name='tests.reward_fixtures:nope': module 'tests.reward_fixtures' has no attribute 'nope'"):
+        resolve(RewardConfig(name="tests.reward_fixtures:nope"), index=0)
+
+
+def test_non_callable_is_rejected():
+    with pytest.raises(ValueError, match="'NOT_A_FUNCTION' is a int, not a function"):
+        resolve(RewardConfig(name="tests.reward_fixtures:NOT_A_FUNCTION"))
+
+
+def test_unknown_builtin_suggests_the_close_one():
+    with pytest.raises(ValueError, match=r"rewards\[1\]\.name='exact_anwser' is not a built-in reward; did you mean 'exact_answer'\?"):
+        resolve(RewardConfig(name="exact_anwser"), index=1)
+
+
+def test_misspelled_kwarg_is_rejected_before_any_rollout():
+    with pytest.raises(ValueError, match=r"rewards\[0\]: 'exact_answer' cannot be called with kwargs=\{'tga': 'answer'\}"):
+        resolve(RewardConfig(name="exact_answer", kwargs={"tga": "answer"}), index=0)
+
+
+def test_missing_required_kwarg_is_rejected():
+    with pytest.raises(ValueError, match="missing a required argument: 'pattern'"):
+        resolve(RewardConfig(name="regex_answer"))
+
+
+def test_invalid_kwarg_values_are_rejected():
+    with pytest.raises(ValueError, match="has no group"):
+        resolve(RewardConfig(name="regex_answer", kwargs={"pattern": r"\d+"}))
+    with pytest.raises(ValueError, match="target_chars=0 must be a number > 0"):
+        resolve(RewardConfig(name="length_penalty", kwargs={"target_chars": 0}))
+
+
+def test_user_function_with_other_parameter_names_is_rejected():
+    with pytest.raises(ValueError, match="name its data parameters completions, answers, prompts"):
+        resolve(RewardConfig(name="tests.reward_fixtures:positional_only"))
+
+
+def test_register_adds_a_builtin_and_refuses_a_duplicate():
+    @register("always_one")
+    def always_one(completions, answers, prompts):
+        return [1.0] * len(completions)
+
+    try:
+        assert score("always_one", ["x", "y"]) == [1.0, 1.0]
+        with pytest.raises(ValueError, match="already registered"):
+            register("always_one")(always_one)
+    finally:
+        del REGISTRY["always_one"]
+
+
+# --- RewardComputer -------------------------------------------------------------------------
+
+def test_total_is_the_weighted_sum_and_components_are_raw():
+    rc = RewardComputer([RewardConfig(name="exact_answer", weight=2.0), RewardConfig(name="format", weight=0.5)])
+    total, parts = rc(["<output>81</output>", "x <output>81</output>", "81"], ["81"] * 3, ["23+58"] * 3)
+    assert parts == {"exact_answer": [1.0, 1.0, 0.0], "format": [1.0, 0.5, 0.0]}
+    assert total == [2.5, 2.25, 0.0]
+
+
+def test_component_name_of_user_function_is_the_function_name():
+    rc = RewardComputer([RewardConfig(name="tests.reward_fixtures:length_bonus")])
+    assert rc.names == ["length_bonus"]
+
+
+def test_duplicate_names_get_their_index():
+    rc = RewardComputer([RewardConfig(name="format"), RewardConfig(name="exact_answer"),
+                         RewardConfig(name="format", kwargs={"tag": "answer"})])
+    assert rc.names == ["format_0", "exact_answer", "format_2"]
+    _, parts = rc(["<answer>1</answer>"], ["1"], ["p"])
+    assert parts == {"format_0": [0.0], "exact_answer": [0.0], "format_2": [1.0]}
+
+
+def test_judge_style_reward_scores_contiguous_groups():
+    rc = RewardComputer([RewardConfig(name="tests.reward_fixtures:group_best", kwargs={"group_size": 2})])
+    total, _ = rc(["a", "abc", "abcd", "ab"], ["", "", "", ""], ["p1", "p1", "p2", "p2"])
+    assert total == [0.0, 1.0, 1.0, 0.0]
+
+
+def test_nan_is_rejected_naming_function_and_completion():
+    rc = RewardComputer([RewardConfig(name="tests.reward_fixtures:nan_for_fourth")])
+    with pytest.raises(ValueError, match=r"^reward 'nan_for_fourth' returned nan for completion 3; reward functions must return finite floats$"):
+        rc(["a"] * 5, [""] * 5, [""] * 5)
+
+
+def test_inf_is_rejected():
+    rc = RewardComputer([RewardConfig(name="tests.reward_fixtures:inf_everywhere")])
+    with pytest.raises(ValueError, match="reward 'inf_everywhere' returned inf for completion 0"):
+        rc(["a"], [""], [""])
+
+
+def test_wrong_count_is_rejected():
+    rc = RewardComputer([RewardConfig(name="tests.reward_fixtures:one_short")])
+    with pytest.raises(ValueError, match="reward 'one_short' returned 3 values for 4 completions; reward functions must return one float per completion"):
+        rc(["a"] * 4, [""] * 4, [""] * 4)
+
+
+def test_non_number_is_rejected():
+    rc = RewardComputer([RewardConfig(name="tests.reward_fixtures:strings")])
+    with pytest.raises(ValueError, match=r"reward 'strings' returned '1' \(str\) for completion 0"):
+        rc(["a"], [""], [""])
+
+
+def test_mismatched_batch_is_rejected():
+    rc = RewardComputer([RewardConfig(name="exact_answer")])
+    with pytest.raises(ValueError, match="got 2 completions, 1 answers, 2 prompts"):
+        rc(["a", "b"], ["1"], ["p", "q"])
+
+
+def test_empty_reward_list_is_rejected():
+    with pytest.raises(ValueError, match="rewards is empty"):
+        RewardComputer([])
