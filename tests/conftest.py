@@ -1,1 +1,58 @@
+"""Shared fixtures: the moto S3 server (tests/s3_fixtures.py) and the tiny offline model.
+
+The tiny model is built once (the real recipe, warm-up included, ~1 minute on 2 cores) and cached
+under .ballast/test-cache/, keyed by the recipe, so later sessions reuse it; a file lock lets several
+pytest processes share the build. It is loaded through from_pretrained like any Hugging Face model.
+"""
+import fcntl
+import hashlib
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
 pytest_plugins = ["tests.s3_fixtures"]
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def tiny_model_path() -> Path:
+    from trainer.model import RECIPE, build_tiny_arith
+
+    key = hashlib.sha256(json.dumps(asdict(RECIPE), sort_keys=True).encode()).hexdigest()[:12]
+    cache = REPO / ".ballast" / "test-cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    path = cache / f"tiny-arith-{key}"
+    with open(cache / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / "config.json").is_file():
+            build_tiny_arith(path, progress=False)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    return tiny_model_path()
+
+
+def tiny_spec(model_path, **sections) -> dict:
+    """A small, fast experiment spec on the tiny model; sections override/extend the defaults."""
+    spec = {
+        "model": {"name_or_path": str(model_path), "device": "cpu"},
+        "lora": {"r": 8, "alpha": 16},
+        "data": {"num_prompts": 64, "num_eval_prompts": 8},
+        # a reward with spread in every group, so every step has a learning signal
+        "rewards": [{"name": "exact_answer"}, {"name": "tests.reward_fixtures:length_bonus", "weight": 0.1}],
+        "grpo": {"num_generations": 4, "prompts_per_step": 2, "beta": 0.04},
+        "rollout": {"max_tokens": 24},
+        "optim": {"steps": 4, "learning_rate": 1e-3},
+        "checkpoint": {"every": 2, "keep_last": 5},
+        "eval": {"every": 0, "max_tokens": 24},
+    }
+    for name, value in sections.items():
+        if isinstance(value, dict):
+            spec.setdefault(name, {}).update(value)
+        else:
+            spec[name] = value
+    return spec

@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from trainer.logprobs import (completion_logprobs, kl_estimators, logprobs_from_hidden,
                               selective_log_softmax)

@@ -43,7 +43,8 @@ def compute_advantages(rewards: Tensor, num_generations: int,
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be a flat [P*G] tensor, got shape {tuple(rewards.shape)}")
     if num_generations < 2:
-        raise ValueError(f"num_generations must be >= 2 (a group needs siblings to compare with), got {num_generations}")
+        raise ValueError(f"num_generations must be >= 2 (a group needs siblings to compare with), "
+                         f"got {num_generations}")
     if rewards.numel() == 0 or rewards.numel() % num_generations:
         raise ValueError(f"got {rewards.numel()} rewards, which is not a positive multiple of "
                          f"num_generations={num_generations}; each prompt needs exactly G completions")
@@ -58,7 +59,8 @@ def compute_advantages(rewards: Tensor, num_generations: int,
     if truncated is not None and tuple(truncated.shape) != tuple(rewards.shape):
         raise ValueError(f"truncated shape {tuple(truncated.shape)} must match rewards shape {tuple(rewards.shape)}")
     if mask_truncated and truncated is None:
-        raise ValueError("mask_truncated=True needs the `truncated` flags (finish_reason == 'length') of each completion")
+        raise ValueError("mask_truncated=True needs the `truncated` flags (finish_reason == 'length') "
+                         "of each completion")
 
     rewards = rewards.float()
     grouped = rewards.view(-1, num_generations)                      # [P, G]

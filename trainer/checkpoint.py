@@ -17,7 +17,8 @@ later) and never a half checkpoint. Loading verifies every hash in the manifest 
 mismatch naming the file. No pickles beyond `torch.load(weights_only=True)`.
 
 `BALLAST_FAULT=kill-in-checkpoint:<step>` SIGKILLs the process half-way through writing that step's
-checkpoint: the fault-injection hook the resume tests use.
+checkpoint, and `kill-in-step:<step>` half-way through that step (after its rollouts): the
+fault-injection hooks the resume tests use.
 """
 from __future__ import annotations
 
@@ -66,9 +67,9 @@ def code_ref() -> dict:
     return {"commit": commit or "unknown", "dirty": dirty}
 
 
-def _maybe_fault(step: int) -> None:
-    fault = os.environ.get("BALLAST_FAULT", "")
-    if fault == f"kill-in-checkpoint:{step}":
+def fault_point(name: str, step: int) -> None:
+    """SIGKILL this process here when BALLAST_FAULT names this point (resume tests)."""
+    if os.environ.get("BALLAST_FAULT") == f"{name}:{step}":
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -86,7 +87,7 @@ def save_checkpoint(root: Path, step: int, *, model, tokenizer, optimizer, sched
     is_peft = hasattr(model, "peft_config")
     model.save_pretrained(tmp / ("adapter" if is_peft else "model"), safe_serialization=True)
     tokenizer.save_pretrained(tmp / "tokenizer")
-    _maybe_fault(step)
+    fault_point("kill-in-checkpoint", step)
     torch.save(optimizer.state_dict(), tmp / "state" / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "state" / "scheduler.pt")
     (tmp / "state" / "rng.json").write_text(json.dumps(capture_rng()))

@@ -90,6 +90,9 @@ class RolloutConfig(Section):
     vllm_port: int = 0
     vllm_startup_timeout_s: float = 240.0
     vllm_extra_args: list[str] = Field(default_factory=list)
+    vllm_dtype: Optional[Literal["float32", "bfloat16", "float16"]] = Field(
+        None, description="Weights/activations dtype of the vLLM server; default model.dtype, so engine and trainer "
+                          "logprobs agree (fp32: to ~1e-5; a bf16 server against an fp32 trainer: to ~0.1).")
 
 
 class OptimConfig(Section):

@@ -115,7 +115,7 @@ class GRPOTrainer:
         self.gate = HealthGate(cfg.health)
         self.engine = engine or self._make_engine()
         self.step = 0
-        self.fingerprint = logprob_fingerprint(self.model, self.tokenizer, self.device)
+        self.last_prompt_indices: list[int] = []
 
     def _make_engine(self):
         if self.cfg.rollout.engine == "hf":
@@ -144,6 +144,7 @@ class GRPOTrainer:
         ckpt.restore_rng(state["rng"])
         self.step = ts["step"]
         _truncate_metrics(self.out / "metrics.jsonl", self.step)
+        _truncate_metrics(self.out / "prompts.jsonl", self.step)
         return path
 
     # -------------------------------------------------------------------- one step
@@ -163,6 +164,8 @@ class GRPOTrainer:
         params = SamplingParams.from_rollout(cfg.rollout, n=g.num_generations, seed=cfg.rollout.seed * 1_000_003 + step)
         completions = [c for group in self.engine.generate(prompt_ids, params) for c in group]
         t_rollout = time.perf_counter()
+        ckpt.fault_point("kill-in-step", step)
+        self.last_prompt_indices = indices
 
         # 3. rewards
         texts = [c.text for c in completions]
@@ -282,6 +285,8 @@ class GRPOTrainer:
                 self.step = step
                 with open(metrics_file, "a") as f:
                     f.write(json.dumps(m) + "\n")
+                with open(self.out / "prompts.jsonl", "a") as f:
+                    f.write(json.dumps({"step": step, "prompt_indices": self.last_prompt_indices}) + "\n")
                 history.append(m)
                 for cb in self.callbacks:
                     cb.on_step(step, m)

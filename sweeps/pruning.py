@@ -1,0 +1,76 @@
+"""Pruning: the trainer's callbacks bound to an Optuna trial, and the verdict on a finished pipeline run.
+
+Two ways a trial stops early, both recorded on the trial (`user_attrs`: `prune_reason`, `pruned_by`,
+`last_step`) so a sweep's summary says why each configuration was dropped:
+
+- **The pruner** (median, percentile, hyperband) compares trials: every step `TrialPruning.on_step`
+  reports the objective's per-step value (`trial.report(value, step)`), and `should_stop` asks
+  `trial.should_prune()`; when it says yes the trainer stops with 'pruned: ...' as its reason.
+- **The health gate** judges a trial on its own: when the pipeline's run stopped with
+  'collapsed: ...' (the trainer's gate, trainer/health.py) the trial is pruned at once with that
+  reason — a collapsed configuration gets no more steps, whatever the pruner thinks. It applies to
+  two-objective studies too, where Optuna has no pruner.
+
+`verdict()` turns a pipeline summary into the objective value(s) or raises `optuna.TrialPruned`.
+"""
+from __future__ import annotations
+
+import math
+
+import optuna
+
+from trainer.loop import Callbacks
+
+from .space import SweepSpec, objective_value
+
+COLLAPSED = "collapsed:"
+PRUNED = "pruned:"
+
+
+class TrialPruning(Callbacks):
+    """Reports one value per step to the trial and stops the run when the pruner says so."""
+
+    def __init__(self, trial: optuna.Trial, sweep: SweepSpec):
+        self.trial = trial
+        self.metric = sweep.objectives[0].report_metric
+        # Optuna has no intermediate values (hence no pruner) for multi-objective studies
+        self.active = len(sweep.objectives) == 1 and self.metric is not None
+        self.use_pruner = self.active and sweep.pruner.type != "none"
+        self.last_value: float | None = None
+
+    def on_step(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.active:
+            return
+        value = metrics.get(self.metric)
+        if value is None or not math.isfinite(value):
+            return
+        self.last_value = float(value)
+        self.trial.report(self.last_value, step)
+
+    def should_stop(self, step: int, metrics: dict[str, float]) -> str | None:
+        if not self.use_pruner or self.last_value is None or not self.trial.should_prune():
+            return None
+        return (f"pruned: {self.metric}={self.last_value:.4g} at step {step} is worse than the pruner's threshold "
+                f"({type(self.trial.study.pruner).__name__} over the trials so far)")
+
+
+def verdict(trial: optuna.Trial, summary: dict, sweep: SweepSpec, health) -> float | list[float]:
+    """The trial's objective value(s) from its pipeline summary, or `optuna.TrialPruned` when the run was
+    stopped by the health gate (with collapse pruning on) or by the pruner."""
+    stopped = summary.get("stopped") or ""
+    trial.set_user_attr("last_step", int(summary.get("last_step") or 0))
+    trial.set_user_attr("run_status", summary.get("status"))
+    if stopped.startswith(COLLAPSED) and sweep.prune_collapsed:
+        _prune(trial, stopped, "health_gate")
+    if stopped.startswith(PRUNED):
+        _prune(trial, stopped, "pruner")
+    values = [objective_value(o, summary, health) for o in sweep.objectives]
+    for o, v in zip(sweep.objectives, values):
+        trial.set_user_attr(f"objective/{o.key}", v)
+    return values[0] if len(values) == 1 else values
+
+
+def _prune(trial: optuna.Trial, reason: str, by: str):
+    trial.set_user_attr("prune_reason", reason[:2000])
+    trial.set_user_attr("pruned_by", by)
+    raise optuna.TrialPruned(reason)

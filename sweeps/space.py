@@ -1,0 +1,390 @@
+"""Sweep files: what to vary, what to optimise, and how — declared in data, read define-by-run.
+
+A sweep file is YAML (see examples/sweep.yaml):
+
+    study: quickstart-sweep              # Optuna study name (default: the file's stem)
+    base: quickstart.yaml                # experiment spec: a path (relative to this file) or inline mapping
+    overrides:                           # dotted spec fields set on every trial (short trials, probe off, ...)
+      optim.steps: 8
+    space:                               # dotted spec field -> distribution
+      optim.learning_rate: {type: float, low: 1.0e-4, high: 0.5, log: true}
+      lora.r: {type: categorical, choices: [4, 8, 16]}
+      grpo.num_generations: {type: int, low: 4, high: 8, step: 4}
+    objectives:                          # one, or two for a Pareto front
+      - {metric: eval/reward, direction: maximize}
+      - {metric: stability, direction: minimize}
+    sampler: {type: tpe}                 # tpe (default) | random | grid
+    pruner: {type: median}               # median | percentile | hyperband | none
+    prune_collapsed: true                # a trial whose health gate trips is pruned at once
+    trials: 12                           # COMPLETE + PRUNED trials the study should end with
+    storage: null                        # default sqlite:///<project_dir>/optuna.db; postgresql://... for a team
+    seed: 0
+
+The choices, on purpose:
+
+- Every field of the sweep file and every dotted field of the space is checked when the file is
+  loaded, before any trial runs: unknown keys, a space field that is not a field of the experiment
+  spec, and a `low`/`high`/choice that the spec itself would refuse (lora.r: 0) all fail with one
+  line naming the field (`SweepError`, a `SpecError`, so the CLI exits with status 2).
+- Objective metrics come from the pipeline's summary. `eval/<name>` is the final held-out eval;
+  a step metric (`kl`, `health/ngram_repetition`, ...) is reduced over the run's steps (`reduce`:
+  last | mean | max | min); `stability` is the run's worst closeness to collapse: the largest
+  value / threshold, over every step and every signal the health gate watches, with the trial's own
+  thresholds (0 = nothing moved, 1 = a signal reached its threshold; lower is steadier).
+- The pruner sees one intermediate value per step: the objective's `report` metric (a step
+  metric), by default `reward` for an eval objective — the training signal eval/reward is a
+  held-out view of. Optuna cannot prune multi-objective studies, so with two objectives the
+  pruner is `none` (collapse pruning still applies: it does not compare trials).
+- `prune_collapsed: false` switches the health gate off in the trials, so a collapsing configuration
+  runs to its last step and is judged by its objective alone (bench/collapse_pruning.py's
+  baseline arm).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tasks.spec import ExperimentSpec, SpecError, set_path, validate_spec
+from trainer.config import HealthConfig
+from trainer.health import GATE_SIGNALS
+from trainer.metrics import METRICS
+
+
+class SweepError(SpecError):
+    """A sweep file that cannot be run; the message names the field and the fix."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ParamSpec(_Strict):
+    """One dimension of the search space."""
+    type: Literal["float", "int", "categorical"]
+    low: Optional[float] = Field(None, description="float/int: smallest value.")
+    high: Optional[float] = Field(None, description="float/int: largest value (inclusive).")
+    log: bool = Field(False, description="float/int: sample on a log scale (low > 0).")
+    step: Optional[float] = Field(None, gt=0, description="float/int: discretisation step (not with log).")
+    choices: Optional[list[Union[bool, int, float, str, None]]] = Field(None, description="categorical: the values.")
+    grid: Optional[list[Union[bool, int, float, str, None]]] = Field(
+        None, description="float/int: the values the grid sampler tries (categorical uses its choices, int its range).")
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.type == "categorical":
+            if not self.choices:
+                raise ValueError("a categorical parameter needs a non-empty 'choices' list")
+            if self.low is not None or self.high is not None or self.log or self.step is not None:
+                raise ValueError("a categorical parameter takes 'choices' only, not low/high/log/step")
+            return self
+        if self.choices is not None:
+            raise ValueError(f"'choices' is for type categorical; a {self.type} parameter takes low and high")
+        if self.low is None or self.high is None:
+            raise ValueError(f"a {self.type} parameter needs 'low' and 'high'")
+        if self.low > self.high:
+            raise ValueError(f"low={self.low:g} is above high={self.high:g}")
+        if self.log and self.low <= 0:
+            raise ValueError(f"log: true needs low > 0 (got low={self.low:g})")
+        if self.log and self.step is not None:
+            raise ValueError("'step' and 'log: true' cannot be combined (Optuna samples a log scale continuously)")
+        if self.type == "int":
+            for name in ("low", "high", "step"):
+                v = getattr(self, name)
+                if v is not None and v != int(v):
+                    raise ValueError(f"an int parameter needs whole numbers; {name}={v:g}")
+        return self
+
+    def bounds(self) -> list:
+        """The values this dimension can take at its edges (all of them for a categorical)."""
+        if self.type == "categorical":
+            return list(self.choices)
+        cast = int if self.type == "int" else float
+        return [cast(self.low), cast(self.high)]
+
+    def grid_values(self) -> list | None:
+        if self.type == "categorical":
+            return list(self.choices)
+        if self.grid is not None:
+            return list(self.grid)
+        if self.type == "int":
+            return list(range(int(self.low), int(self.high) + 1, int(self.step or 1)))
+        if self.step is not None:
+            n = int(round((self.high - self.low) / self.step))
+            return [self.low + i * self.step for i in range(n + 1)]
+        return None
+
+
+STEP_REDUCTIONS = ("last", "mean", "max", "min")
+
+
+class ObjectiveSpec(_Strict):
+    metric: str = Field("eval/reward", description="eval/<name> (final eval), 'stability', or a step metric.")
+    direction: Literal["maximize", "minimize"] = "maximize"
+    reduce: Literal["last", "mean", "max", "min"] = Field("last", description="How a step metric is reduced over the run's steps.")
+    report: Optional[str] = Field(None, description="Step metric reported to the pruner each step; default 'reward' for "
+                                                    "an eval objective, the metric itself for a step metric.")
+
+    @model_validator(mode="after")
+    def _known_metric(self):
+        if not (self.metric == "stability" or self.metric.startswith("eval/") or is_step_metric(self.metric)):
+            raise ValueError(f"unknown metric {self.metric!r}; use eval/reward, eval/accuracy, stability, or a step metric "
+                             "(ballast metrics lists them)")
+        if self.report is not None and not is_step_metric(self.report):
+            raise ValueError(f"report: {self.report!r} is not a step metric (ballast metrics lists them)")
+        return self
+
+    @property
+    def report_metric(self) -> str | None:
+        if self.report:
+            return self.report
+        if self.metric.startswith("eval/"):
+            return "reward"
+        return self.metric if is_step_metric(self.metric) else None
+
+    @property
+    def key(self) -> str:
+        """The objective's name in summaries and MLflow (eval/reward, max/kl, stability)."""
+        return self.metric if self.metric == "stability" or self.metric.startswith("eval/") else f"{self.reduce}/{self.metric}"
+
+
+class SamplerSpec(_Strict):
+    type: Literal["tpe", "random", "grid"] = "tpe"
+    n_startup_trials: int = Field(4, ge=0, description="tpe: random trials before TPE models the space.")
+    multivariate: bool = Field(True, description="tpe: model parameters jointly (they interact: lr × beta × rank).")
+
+
+class PrunerSpec(_Strict):
+    type: Literal["median", "percentile", "hyperband", "none"] = "median"
+    n_startup_trials: int = Field(2, ge=0, description="median/percentile: trials that finish before pruning starts.")
+    n_warmup_steps: int = Field(2, ge=0, description="median/percentile: steps of a trial before it can be pruned.")
+    percentile: float = Field(25.0, gt=0, lt=100, description="percentile: keep trials above this percentile.")
+    min_resource: int = Field(1, ge=1, description="hyperband: steps before the first rung.")
+
+
+class HeartbeatSpec(_Strict):
+    """How a trial whose worker died is noticed: the worker writes a heartbeat every `interval` s; a
+    RUNNING trial silent for `grace_period` s is failed (not counted) and its configuration retried."""
+    interval: int = Field(10, ge=1)
+    grace_period: int = Field(40, ge=2)
+    retries: int = Field(1, ge=0, description="Times an interrupted configuration is re-queued.")
+
+
+class SweepSpec(_Strict):
+    study: Optional[str] = Field(None, description="Optuna study name; default the sweep file's stem.")
+    base: Union[str, dict] = Field(description="Experiment spec: a YAML path (relative to the sweep file) or an inline mapping.")
+    overrides: dict[str, Any] = Field(default_factory=dict, description="Dotted spec field -> value, applied to every trial.")
+    space: dict[str, ParamSpec] = Field(description="Dotted spec field -> distribution.")
+    objectives: list[ObjectiveSpec] = Field(default_factory=lambda: [ObjectiveSpec()], min_length=1, max_length=2)
+    sampler: SamplerSpec = Field(default_factory=SamplerSpec)
+    pruner: Optional[PrunerSpec] = Field(None, description="Default: median for one objective, none for two.")
+    prune_collapsed: bool = Field(True, description="Prune a trial as soon as its health gate trips.")
+    trials: Optional[int] = Field(None, ge=1, description="COMPLETE + PRUNED trials to end with; default the grid's size, or 10.")
+    storage: Optional[str] = Field(None, description="Optuna storage URL; default sqlite:///<project_dir>/optuna.db.")
+    seed: int = 0
+    heartbeat: HeartbeatSpec = Field(default_factory=HeartbeatSpec)
+    max_consecutive_failures: int = Field(3, ge=1, description="A worker stops after this many failed trials in a row.")
+
+    @model_validator(mode="after")
+    def _coherent(self):
+        if not self.space:
+            raise ValueError("the search space is empty; add at least one dotted spec field")
+        if len(self.objectives) == 2 and self.pruner is not None and self.pruner.type != "none":
+            raise ValueError("Optuna cannot prune a two-objective study; set pruner: {type: none} (collapse pruning still applies)")
+        if self.pruner is None:
+            self.pruner = PrunerSpec(type="median" if len(self.objectives) == 1 else "none")
+        if self.sampler.type == "grid":
+            missing = [k for k, p in self.space.items() if p.grid_values() is None]
+            if missing:
+                raise ValueError(f"the grid sampler needs a finite set of values for {missing[0]!r}: give it 'grid: [...]' or 'step'")
+            if self.trials is not None and self.trials > self.grid_size():
+                raise ValueError(f"trials={self.trials} is more than the {self.grid_size()} points of the grid")
+        return self
+
+    def grid_size(self) -> int:
+        return math.prod(len(p.grid_values() or []) for p in self.space.values())
+
+    @property
+    def n_trials(self) -> int:
+        if self.trials is not None:
+            return self.trials
+        return self.grid_size() if self.sampler.type == "grid" else 10
+
+    @property
+    def study_name(self) -> str:
+        return self.study or "ballast-sweep"
+
+    @property
+    def directions(self) -> list[str]:
+        return [o.direction for o in self.objectives]
+
+    def definition(self) -> dict:
+        """What a study is bound to: a rerun may change the trial count, storage and heartbeat, not this."""
+        return self.model_dump(mode="json", exclude={"trials", "storage", "heartbeat", "max_consecutive_failures"})
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+def load_sweep(source: str | Path | dict) -> SweepSpec:
+    """Read and check a sweep file; the base spec is resolved and inlined (`sweep.base` is a dict after)."""
+    if isinstance(source, dict):
+        data, where, here, stem = json.loads(json.dumps(source)), "sweep", Path.cwd(), None
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise SweepError(f"sweep file {path} does not exist; pass the path of a sweep YAML (see examples/sweep.yaml)")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise SweepError(f"sweep file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise SweepError(f"sweep file {path} must hold a mapping (base:, space:, objectives:, ...)")
+        where, here, stem = str(path), path.resolve().parent, path.stem
+    try:
+        sweep = SweepSpec.model_validate(data)
+    except ValidationError as e:
+        raise SweepError(f"{where}: {_describe(e)}") from None
+    if sweep.study is None and stem:
+        sweep.study = stem
+    sweep.base = _base_mapping(sweep.base, here, where)
+    check_space(sweep, where)
+    return sweep
+
+
+def _describe(e: ValidationError) -> str:
+    err = e.errors()[0]
+    field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        msg = f"unknown field '{field}'; see the sweep file reference in sweeps/space.py"
+    elif err["type"] == "missing":
+        msg = f"field '{field}' is required"
+    else:
+        msg = f"field '{field}': {err['msg'].removeprefix('Value error, ')}"
+        if err.get("input") is not None and not isinstance(err.get("input"), dict):
+            msg += f" (got {err['input']!r})"
+    more = f" (+{len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
+    return msg + more
+
+
+def _base_mapping(base: str | dict, here: Path, where: str) -> dict:
+    if isinstance(base, dict):
+        return json.loads(json.dumps(base))
+    path = Path(base)
+    if not path.is_absolute():
+        path = here / path
+    if not path.is_file():
+        raise SweepError(f"{where}: field 'base': spec file {base} does not exist (paths are relative to the sweep file)")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise SweepError(f"{where}: field 'base': {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise SweepError(f"{where}: field 'base': {path} must hold a mapping of spec sections")
+    return data
+
+
+def check_space(sweep: SweepSpec, where: str = "sweep") -> None:
+    """Every override and space field names a spec field, and every edge value of the space is one the
+    spec accepts — so a typo or an impossible range fails now, not in trial 7."""
+    for key in sweep.overrides:
+        _check_field(key, f"{where}: field 'overrides.{key}'")
+    for key in sweep.space:
+        _check_field(key, f"{where}: field 'space.{key}'")
+    base = base_spec(sweep)  # overrides alone must give a valid spec
+    for key, param in sweep.space.items():
+        for value in param.bounds():
+            try:
+                trial_spec(sweep, {key: value}, base=base)
+            except SpecError as e:
+                raise SweepError(f"{where}: field 'space.{key}': value {value!r} is not accepted by the spec "
+                                 f"({str(e).split(': ', 1)[-1]})") from None
+
+
+def _check_field(dotted: str, label: str) -> None:
+    model: Any = ExperimentSpec
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        fields = getattr(model, "model_fields", None)
+        if fields is None or part not in fields:
+            known = ", ".join(sorted(fields)) if fields else "(none: it is not a section)"
+            raise SweepError(f"{label}: '{'.'.join(parts[:i + 1])}' is not a field of the experiment spec; "
+                             f"fields here: {known}")
+        model = fields[part].annotation
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        raise SweepError(f"{label}: '{dotted}' is a whole section; name one of its fields, e.g. '{dotted}.{next(iter(model.model_fields))}'")
+
+
+def base_spec(sweep: SweepSpec) -> dict:
+    """The base spec with the sweep's overrides applied, as a plain mapping (validated)."""
+    data = json.loads(json.dumps(sweep.base))
+    for key, value in sweep.overrides.items():
+        set_path(data, f"{key}={json.dumps(value)}")
+    validate_spec(data, "sweep base spec with overrides")
+    return data
+
+
+def trial_spec(sweep: SweepSpec, params: dict[str, Any], name: str | None = None, base: dict | None = None) -> ExperimentSpec:
+    """The experiment one trial runs: base + overrides + the trial's values (+ the health gate off when
+    collapse pruning is off)."""
+    data = json.loads(json.dumps(base if base is not None else base_spec(sweep)))
+    for key, value in params.items():
+        set_path(data, f"{key}={json.dumps(value)}")
+    if name:
+        data["name"] = name
+    if not sweep.prune_collapsed:
+        data.setdefault("health", {})["enabled"] = False
+    return validate_spec(data, f"trial {name or ''}".strip())
+
+
+# ------------------------------------------------------------------------------------------ suggesting
+
+def suggest(trial, space: dict[str, ParamSpec]) -> dict[str, Any]:
+    """Ask the trial for one value per dimension (define-by-run); returns {dotted field: value}."""
+    out: dict[str, Any] = {}
+    for name, p in space.items():
+        if p.type == "categorical":
+            out[name] = trial.suggest_categorical(name, p.choices)
+        elif p.type == "int":
+            out[name] = trial.suggest_int(name, int(p.low), int(p.high), step=int(p.step or 1), log=p.log)
+        else:
+            out[name] = trial.suggest_float(name, p.low, p.high, step=p.step, log=p.log)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ objectives
+
+def is_step_metric(name: str) -> bool:
+    return name in METRICS or (name.startswith("rewards/") and name.endswith("/mean"))
+
+
+def stability(history: list[dict], health: HealthConfig) -> float:
+    """max over steps and gate signals of value / threshold: how close the run came to collapsing."""
+    worst = 0.0
+    for m in history:
+        for name, (field, _) in GATE_SIGNALS.items():
+            value, threshold = m.get(name), getattr(health, field)
+            if value is None or value != value or threshold <= 0:
+                continue
+            worst = max(worst, value / threshold)
+    return worst
+
+
+def objective_value(obj: ObjectiveSpec, summary: dict, health: HealthConfig) -> float:
+    """One objective's value from a pipeline summary; raises ValueError when the run did not produce it."""
+    history = summary.get("history") or []
+    if obj.metric == "stability":
+        return stability(history, health)
+    if obj.metric.startswith("eval/"):
+        value = (summary.get("eval") or {}).get(obj.metric)
+        if value is None:
+            raise ValueError(f"objective {obj.metric}: the run's final eval has no such metric "
+                             f"(it has {sorted(summary.get('eval') or {})})")
+        return float(value)
+    values = [m[obj.metric] for m in history if obj.metric in m and m[obj.metric] == m[obj.metric]]
+    if not values:
+        raise ValueError(f"objective {obj.metric}: no step of the run reported it")
+    return {"last": values[-1], "mean": sum(values) / len(values), "max": max(values), "min": min(values)}[obj.reduce]

@@ -1,0 +1,268 @@
+"""The Optuna study of a sweep: storage, sampler and pruner, the trial glue and the worker loop.
+
+How a sweep grows past one process, with nothing home-made but the loop's stopping rule:
+
+- **Storage** is Optuna's RDB storage: SQLite under the project folder by default
+  (`sqlite:///<project_dir>/optuna.db`, fine for one or two local workers), PostgreSQL for a team or
+  many nodes. Every worker opens the same study by name; the sweep definition (base spec, space,
+  objectives, ...) is stored in the study's user attributes, so a worker needs only the storage URL
+  and the study name. Re-running a sweep file against an existing study resumes it; a changed
+  definition (space, objectives, base spec) is refused — start a new study instead.
+- **How many trials.** `n_trials` is the study's total of COMPLETE + PRUNED trials, not a per-worker
+  quota. Before each trial a worker counts the study: done → stop; done + running ≥ total → wait
+  for the running ones (another worker is finishing them, or they are stale, see below); else run one.
+  A trial that still finds itself past the total once started (two workers checked at the same
+  moment) is failed as surplus without running, so workers together never overshoot.
+- **Interrupted trials.** Workers write a heartbeat (`RDBStorage(heartbeat_interval, grace_period)`).
+  A RUNNING trial whose worker went silent longer than the grace period (killed, node lost) is failed
+  by the next worker that looks — failed trials are never counted as results — and its configuration
+  is queued again (`RetryHeartbeatStaleTrialCallback`, `heartbeat.retries` times).
+  A trial stopped by Ctrl-C is failed by Optuna itself.
+- **The trial.** `run_trial` asks the trial for values (define-by-run), builds the trial's experiment
+  spec, and calls *the function that runs a pipeline*, given by the caller: sweeps/ never imports
+  flows/ (DESIGN.md) — flows/sweep.py passes a Prefect subflow around the pipeline.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import optuna
+from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+from optuna.trial import FrozenTrial, TrialState
+
+from .pruning import TrialPruning, verdict
+from .space import SweepError, SweepSpec, suggest, trial_spec
+
+DONE = (TrialState.COMPLETE, TrialState.PRUNED)
+SWEEP_ATTR = "ballast.sweep"          # study user attr: the sweep definition (JSON)
+TRIALS_ATTR = "ballast.n_trials"      # study user attr: the total the study should end with
+SQLITE_TIMEOUT_S = 60                 # how long a SQLite writer waits for another process's lock
+
+warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+
+
+def default_storage(project_dir: str | Path) -> str:
+    db = Path(project_dir).resolve() / "optuna.db"
+    db.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{db}"
+
+
+def redact_url(url: str) -> str:
+    """postgresql://user:secret@host/db -> postgresql://user:***@host/db (for logs and MLflow)."""
+    from sqlalchemy.engine import make_url
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return url
+
+
+# ------------------------------------------------------------------------------------------ storage, sampler, pruner
+
+def make_storage(url: str, heartbeat=None, on_interrupted: Callable[[optuna.Study, FrozenTrial], None] | None = None) -> RDBStorage:
+    """RDB storage with heartbeats; `on_interrupted(study, trial)` runs for each trial failed as stale."""
+    from .space import HeartbeatSpec
+    hb = heartbeat or HeartbeatSpec()
+    engine_kwargs = {"connect_args": {"timeout": SQLITE_TIMEOUT_S}} if url.startswith("sqlite") else {"pool_pre_ping": True}
+    try:
+        return RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=hb.interval, grace_period=hb.grace_period,
+                          heartbeat_stale_trial_callback=_Interrupted(hb.retries, on_interrupted))
+    except Exception as e:
+        raise SweepError(f"cannot open the Optuna storage {redact_url(url)}: {type(e).__name__}: {str(e).splitlines()[0]}; "
+                         "check the URL (sqlite:///path or postgresql://user@host/db) and that the database exists") from None
+
+
+class _Interrupted:
+    """Heartbeat-stale trial: note it on the study, tell the caller, re-queue its configuration."""
+
+    def __init__(self, retries: int, notify=None):
+        self.retry = RetryHeartbeatStaleTrialCallback(max_retry=retries) if retries else None
+        self.notify = notify
+
+    def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        study.set_user_attr(f"ballast.interrupted.{trial.number}",
+                            "its worker stopped sending heartbeats mid-trial; failed, not counted")
+        if self.notify is not None:
+            try:
+                self.notify(study, trial)
+            except Exception as e:  # never let bookkeeping stop a worker
+                warnings.warn(f"could not record interrupted trial {trial.number}: {e}")
+        if self.retry is not None:
+            self.retry(study, trial)
+
+
+def make_sampler(sweep: SweepSpec, worker: int = 0) -> optuna.samplers.BaseSampler:
+    """Worker k is seeded `seed + k`: workers with one seed would propose the same configurations."""
+    s, seed = sweep.sampler, sweep.seed + worker
+    if s.type == "grid":
+        return optuna.samplers.GridSampler({k: p.grid_values() for k, p in sweep.space.items()}, seed=seed)
+    if s.type == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=s.n_startup_trials, multivariate=s.multivariate,
+                                      constant_liar=True)
+
+
+def make_pruner(sweep: SweepSpec) -> optuna.pruners.BasePruner:
+    p = sweep.pruner
+    if p.type == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=p.n_startup_trials, n_warmup_steps=p.n_warmup_steps)
+    if p.type == "percentile":
+        return optuna.pruners.PercentilePruner(p.percentile, n_startup_trials=p.n_startup_trials, n_warmup_steps=p.n_warmup_steps)
+    if p.type == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=p.min_resource)
+    return optuna.pruners.NopPruner()
+
+
+# ------------------------------------------------------------------------------------------ the study
+
+def open_study(sweep: SweepSpec, storage: RDBStorage, n_trials: int | None = None, worker: int = 0) -> optuna.Study:
+    """Create the sweep's study, or resume it. Stores the definition and the total on the study."""
+    import json
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(storage=storage, study_name=sweep.study_name, directions=sweep.directions,
+                                sampler=make_sampler(sweep, worker), pruner=make_pruner(sweep), load_if_exists=True)
+    stored = study.user_attrs.get(SWEEP_ATTR)
+    if stored is None:
+        study.set_user_attr(SWEEP_ATTR, json.dumps(sweep.model_dump(mode="json")))
+    else:
+        before = SweepSpec.model_validate(json.loads(stored)).definition()
+        now = sweep.definition()
+        changed = next((k for k in now if before.get(k) != now.get(k)), None)
+        if changed:
+            raise SweepError(f"study {sweep.study_name!r} already exists in this storage with a different '{changed}'; "
+                             "resume it with the sweep file it started with (only trials may change), or name a new study")
+    if [d.name.lower() for d in study.directions] != sweep.directions:
+        raise SweepError(f"study {sweep.study_name!r} exists with directions {[d.name.lower() for d in study.directions]}, "
+                         f"the sweep file asks for {sweep.directions}; name a new study")
+    if n_trials is not None or TRIALS_ATTR not in study.user_attrs:
+        study.set_user_attr(TRIALS_ATTR, int(n_trials or sweep.n_trials))
+    return study
+
+
+def join_study(name: str, storage: RDBStorage, worker: int = 0) -> tuple[optuna.Study, SweepSpec]:
+    """Open an existing sweep's study from its name alone (what `ballast sweep-worker` does)."""
+    import json
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        summaries = {s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}
+    except Exception as e:
+        raise SweepError(f"cannot read studies from the storage: {e}") from None
+    if name not in summaries:
+        raise SweepError(f"study {name!r} does not exist in this storage (it has {sorted(summaries) or 'none'}); "
+                         "create it with `ballast sweep FILE --storage URL` first")
+    attrs = optuna.load_study(study_name=name, storage=storage).user_attrs
+    if SWEEP_ATTR not in attrs:
+        raise SweepError(f"study {name!r} was not created by `ballast sweep` (it has no sweep definition)")
+    sweep = SweepSpec.model_validate(json.loads(attrs[SWEEP_ATTR]))
+    study = optuna.load_study(study_name=name, storage=storage, sampler=make_sampler(sweep, worker), pruner=make_pruner(sweep))
+    return study, sweep
+
+
+def target(study: optuna.Study) -> int:
+    return int(study.user_attrs[TRIALS_ATTR])
+
+
+def counts(study: optuna.Study) -> dict[str, int]:
+    out = {s.name: 0 for s in TrialState}
+    for t in study.get_trials(deepcopy=False):
+        out[t.state.name] += 1
+    return out
+
+
+def n_done(study: optuna.Study) -> int:
+    c = counts(study)
+    return c["COMPLETE"] + c["PRUNED"]
+
+
+# ------------------------------------------------------------------------------------------ one trial
+
+RunFn = Callable[..., dict]
+"""run_fn(spec, callbacks, trial) -> pipeline summary (flows.pipeline.run_pipeline's dict)."""
+
+
+def run_trial(trial: optuna.Trial, sweep: SweepSpec, run_fn: RunFn) -> float | list[float]:
+    """Suggest, build the trial's spec, run the pipeline through `run_fn`, judge the outcome."""
+    params = suggest(trial, sweep.space)
+    spec = trial_spec(sweep, params, name=f"{sweep.study_name}-trial-{trial.number}")
+    summary = run_fn(spec, TrialPruning(trial, sweep), trial)
+    if summary.get("run_id"):
+        trial.set_user_attr("mlflow_run_id", summary["run_id"])
+    return verdict(trial, summary, sweep, spec.health)
+
+
+# ------------------------------------------------------------------------------------------ the worker loop
+
+class Surplus(Exception):
+    """This trial started after the study already had its total done or in flight."""
+
+
+class SweepWorkerError(RuntimeError):
+    pass
+
+
+@dataclass
+class WorkerReport:
+    ran: list[int] = field(default_factory=list)
+    states: dict[int, str] = field(default_factory=dict)
+
+
+def optimize(study: optuna.Study, objective: Callable[[optuna.Trial], float | Sequence[float]], n_trials: int | None = None,
+             callbacks: Sequence[Callable] = (), max_consecutive_failures: int = 3, poll_s: float | None = None,
+             log: Callable[[str], None] = print) -> WorkerReport:
+    """Run trials until the study holds `n_trials` (default: its stored total) COMPLETE + PRUNED trials,
+    counting every worker's. Returns what this worker ran."""
+    total = n_trials if n_trials is not None else target(study)
+    storage = study._storage
+    poll = poll_s or float(getattr(storage, "heartbeat_interval", None) or 5)
+    report, failures, waiting_said = WorkerReport(), 0, False
+    finished: dict[int, FrozenTrial] = {}
+
+    def claimed(trial: optuna.Trial):
+        ahead = sum(1 for t in study.get_trials(deepcopy=False, states=(*DONE, TrialState.RUNNING)) if t.number < trial.number)
+        if ahead >= total:
+            trial.set_user_attr("not_counted", f"surplus: {ahead} trials were already done or running for a total of {total}")
+            raise Surplus()
+        try:
+            return objective(trial)
+        except (optuna.TrialPruned, KeyboardInterrupt):
+            raise
+        except Exception as e:
+            trial.set_user_attr("error", f"{type(e).__name__}: {e}"[:2000])
+            raise
+
+    def remember(_study, frozen: FrozenTrial) -> None:
+        finished[frozen.number] = frozen
+
+    while True:
+        optuna.storages.fail_stale_trials(study)
+        c = counts(study)
+        done = c["COMPLETE"] + c["PRUNED"]
+        if done >= total:
+            return report
+        if done + c["RUNNING"] >= total:
+            if not waiting_said:
+                log(f"{done} of {total} trials done, {c['RUNNING']} running elsewhere; waiting for them")
+                waiting_said = True
+            time.sleep(poll)
+            continue
+        waiting_said = False
+        study.optimize(claimed, n_trials=1, catch=(Exception,), callbacks=[remember, *callbacks])
+        if not finished:
+            continue
+        number = max(finished)
+        frozen = finished.pop(number)
+        finished.clear()
+        if "not_counted" in frozen.user_attrs:
+            continue
+        report.ran.append(number)
+        report.states[number] = frozen.state.name
+        if frozen.state == TrialState.FAIL:
+            failures += 1
+            if failures >= max_consecutive_failures:
+                raise SweepWorkerError(f"{failures} trials in a row failed; the last (trial {number}): "
+                                       f"{frozen.user_attrs.get('error', 'see its MLflow run')}")
+        else:
+            failures = 0

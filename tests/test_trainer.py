@@ -1,0 +1,297 @@
+"""The trainer as a user runs it: real tiny model, real HF generate, real checkpoints on disk.
+
+Resume is exact (also after SIGKILL mid-step and mid-checkpoint-write), altered checkpoints are
+refused, missing logprobs and NaN rewards fail loudly, a stale engine shows in the logprob-diff
+metric and trips the gate, eval decodes exactly like a hand-written `generate`.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from tests.conftest import REPO, tiny_spec
+from trainer.checkpoint import CheckpointError, list_checkpoints
+from trainer.config import TrainerConfig
+from trainer.engines.hf import HFEngine
+from trainer.loop import GRPOTrainer, TrainingError
+from trainer.metrics import describe
+
+TIMING = ("time/", "step_time", "tokens_per_second")
+
+
+def deterministic(m: dict) -> dict:
+    return {k: v for k, v in m.items() if not k.startswith(TIMING)}
+
+
+def trainer_for(model, out, progress=False, engine=None, **sections) -> GRPOTrainer:
+    cfg = TrainerConfig.model_validate(tiny_spec(model, **sections))
+    return GRPOTrainer(cfg, out, progress=progress, engine=engine)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def adapter_weights(run_dir: Path, step: int) -> dict:
+    return load_file(str(run_dir / "checkpoints" / f"step-{step:06d}" / "adapter" / "adapter_model.safetensors"))
+
+
+RESUME_SECTIONS = dict(optim={"steps": 6, "learning_rate": 3e-3}, checkpoint={"every": 3, "keep_last": 5})
+
+
+@pytest.fixture(scope="module")
+def straight_run(tiny_model, tmp_path_factory):
+    """6 steps without interruption: the reference every resume must reproduce."""
+    out = tmp_path_factory.mktemp("straight")
+    t = trainer_for(tiny_model, out, **RESUME_SECTIONS)
+    t.train(6)
+    t.close()
+    return out
+
+
+def spec_file(tiny_model, path: Path, **sections) -> Path:
+    path.write_text(yaml.safe_dump(tiny_spec(tiny_model, **sections)))
+    return path
+
+
+def cli(*args, env=None, check=True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"ballast {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def assert_same_as_straight(run: Path, straight: Path) -> None:
+    got, want = read_jsonl(run / "metrics.jsonl"), read_jsonl(straight / "metrics.jsonl")
+    assert [m["step"] for m in got] == [1, 2, 3, 4, 5, 6]
+    for g, w in zip(got[3:], want[3:]):
+        assert deterministic(g) == deterministic(w)
+    a, b = adapter_weights(run, 6), adapter_weights(straight, 6)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert read_jsonl(run / "prompts.jsonl") == read_jsonl(straight / "prompts.jsonl")
+
+
+# ------------------------------------------------------------------------------------------ metrics
+
+def test_every_reported_metric_is_documented_and_trl_names_are_present(straight_run):
+    m = read_jsonl(straight_run / "metrics.jsonl")[0]
+    for name in m:
+        describe(name)
+    for name in ("reward", "reward_std", "rewards/exact_answer/mean", "frac_reward_zero_std", "completions/mean_length",
+                 "completions/max_length", "completions/clipped_ratio", "completions/mean_terminated_length", "kl", "kl/k1",
+                 "kl/k2", "kl/k3", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                 "grad_norm", "learning_rate", "step_time", "tokens_per_second", "time/rollout", "time/update",
+                 "is/frac_old_logprobs_valid", "is/mean_importance_ratio", "is/clip_fraction", "rollout/logprob_diff_mean",
+                 "rollout/logprob_diff_max", "health/ngram_repetition", "health/unique_token_ratio", "health/garbage_ratio"):
+        assert name in m, name
+
+
+def test_in_process_engine_logprobs_match_the_trainer(straight_run):
+    for m in read_jsonl(straight_run / "metrics.jsonl"):
+        assert m["is/frac_old_logprobs_valid"] == 1.0
+        assert m["rollout/logprob_diff_max"] < 1e-4
+
+
+def test_policy_moves_away_from_reference(straight_run):
+    kl = [m["kl"] for m in read_jsonl(straight_run / "metrics.jsonl")]
+    assert kl[0] == pytest.approx(0.0, abs=1e-6)  # LoRA starts as the identity
+    assert kl[-1] > 1e-5
+
+
+# ------------------------------------------------------------------------------------------ resume
+
+def test_resume_in_process_equals_uninterrupted_run(tiny_model, straight_run, tmp_path):
+    t = trainer_for(tiny_model, tmp_path, **RESUME_SECTIONS)
+    t.train(3)
+    t.close()
+    t = trainer_for(tiny_model, tmp_path, **RESUME_SECTIONS)
+    assert t.resume().name == "step-000003"
+    t.train(6)
+    t.close()
+    assert_same_as_straight(tmp_path, straight_run)
+
+
+@pytest.mark.parametrize("fault", ["kill-in-step:5", "kill-in-checkpoint:6"])
+def test_resume_after_sigkill_equals_uninterrupted_run(tiny_model, straight_run, tmp_path, fault):
+    spec = spec_file(tiny_model, tmp_path / "spec.yaml", **RESUME_SECTIONS)
+    run = tmp_path / "run"
+    killed = cli("train", str(spec), "--output", str(run), "--quiet", env={"BALLAST_FAULT": fault}, check=False)
+    assert killed.returncode == -9
+    assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [3]
+    resumed = cli("train", str(spec), "--output", str(run), "--quiet", "--resume")
+    assert "resumed from" in resumed.stdout and "step-000003" in resumed.stdout
+    assert not list(run.joinpath("checkpoints").glob(".tmp-*"))
+    assert_same_as_straight(run, straight_run)
+
+
+def test_no_prompt_is_seen_twice_or_skipped_within_an_epoch(straight_run):
+    seen = [i for row in read_jsonl(straight_run / "prompts.jsonl") for i in row["prompt_indices"]]
+    assert len(seen) == 12 and len(set(seen)) == 12
+
+
+def test_altered_checkpoint_is_refused_naming_the_file(tiny_model, straight_run, tmp_path):
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(straight_run, run)
+    weights = run / "checkpoints" / "step-000006" / "adapter" / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    t = trainer_for(tiny_model, run, **RESUME_SECTIONS)
+    with pytest.raises(CheckpointError, match="adapter/adapter_model.safetensors"):
+        t.resume()
+
+
+def test_cli_refuses_altered_checkpoint_with_one_line_and_exit_1(tiny_model, straight_run, tmp_path):
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(straight_run, run)
+    state = run / "checkpoints" / "step-000006" / "state" / "trainer_state.json"
+    state.write_text(state.read_text().replace('"step": 6', '"step": 7'))
+    spec = spec_file(tiny_model, tmp_path / "spec.yaml", **RESUME_SECTIONS)
+    proc = cli("train", str(spec), "--output", str(run), "--quiet", "--resume", check=False)
+    assert proc.returncode == 1
+    assert "state/trainer_state.json does not match its sha256" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_resume_refuses_a_changed_spec(tiny_model, straight_run, tmp_path):
+    import shutil
+    shutil.copytree(straight_run, tmp_path / "run")
+    t = trainer_for(tiny_model, tmp_path / "run", optim={"steps": 8, "learning_rate": 1e-2}, checkpoint={"every": 3, "keep_last": 5})
+    with pytest.raises(CheckpointError, match="optim.learning_rate was 0.003 and is now 0.01"):
+        t.resume()
+
+
+# ------------------------------------------------------------------------------------------ loud failures
+
+class DropLogprobs(HFEngine):
+    """An engine that returns no logprobs, like trajectories stored without them."""
+
+    def generate(self, prompts, params):
+        groups = super().generate(prompts, params)
+        for g in groups:
+            for c in g:
+                c.logprobs = None
+        return groups
+
+
+def test_missing_engine_logprobs_fail_loudly(tiny_model, tmp_path):
+    t = trainer_for(tiny_model, tmp_path)
+    t.engine = DropLogprobs(t.model, t.tokenizer, t.device)
+    with pytest.raises(TrainingError, match="importance sampling would silently become REINFORCE"):
+        t.train(1)
+
+
+def test_recompute_fills_missing_engine_logprobs(tiny_model, tmp_path):
+    t = trainer_for(tiny_model, tmp_path, grpo={"num_generations": 4, "prompts_per_step": 2, "old_logprobs": "recompute"})
+    t.engine = DropLogprobs(t.model, t.tokenizer, t.device)
+    m = t.train(1).history[0]
+    assert m["is/frac_old_logprobs_valid"] == 1.0
+    assert m["is/mean_importance_ratio"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_nan_reward_fails_naming_the_function(tiny_model, tmp_path):
+    t = trainer_for(tiny_model, tmp_path, rewards=[{"name": "tests.reward_fixtures:nan_for_fourth"}])
+    with pytest.raises(ValueError, match="nan_for_fourth.*returned nan for completion 3"):
+        t.train(1)
+    assert not list_checkpoints(tmp_path / "checkpoints")
+
+
+class NeverSynced(HFEngine):
+    """An engine whose weight pushes are lost: it keeps sampling from the weights it started with."""
+
+    def sync_weights(self, model, step):
+        pass
+
+
+def test_stale_engine_weights_show_in_logprob_diff_and_trip_the_gate(tiny_model, tmp_path):
+    """The engine samples from a copy of the policy that never receives updates (a stale adapter)."""
+    import copy
+    only_logprob_signal = {"clipped_ratio_max": 2, "ngram_repetition_max": 2, "garbage_ratio_max": 2, "kl_max": 1e9}
+    t = trainer_for(tiny_model, tmp_path, optim={"steps": 6, "learning_rate": 2e-2},
+                    health={"patience": 2, "logprob_diff_max": 0.05, **only_logprob_signal})
+    stale = copy.deepcopy(t.model)
+    t.engine = NeverSynced(stale, t.tokenizer, t.device)
+    result = t.train(6)
+    diffs = [m["rollout/logprob_diff_max"] for m in result.history]
+    assert diffs[0] < 1e-4  # same weights at step 1
+    assert result.stopped is not None and "rollout/logprob_diff_max" in result.stopped
+    assert "stale or double-applied adapter" in result.stopped
+    assert result.last_step < 6
+
+
+# ------------------------------------------------------------------------------------------ options
+
+def test_lagged_reference_is_the_policy_k_steps_back(tiny_model, tmp_path):
+    t = trainer_for(tiny_model, tmp_path, grpo={"num_generations": 4, "prompts_per_step": 2, "beta": 0.1, "kl_ref_step_lag": 2},
+                    optim={"steps": 4, "learning_rate": 1e-2}, checkpoint={"every": 1, "keep_last": 10})
+    h = t.train(4).history
+    assert h[0]["kl"] == pytest.approx(0.0, abs=1e-7)  # step 1: policy and reference are both the initial weights
+    assert h[3]["kl"] > 0
+    # at step 4 the reference is the policy after step 1's update, i.e. the step-1 checkpoint's adapter
+    saved = adapter_weights(tmp_path, 1)
+    reference = {name.replace(".default", ""): w for name, w in t.lagged[0].items()}
+    assert reference.keys() == saved.keys()
+    for name in saved:
+        assert torch.equal(reference[name], saved[name]), name
+
+
+def test_full_finetuning_with_frozen_reference(tiny_model, tmp_path):
+    t = trainer_for(tiny_model, tmp_path, lora={"enabled": False}, optim={"steps": 2, "learning_rate": 1e-3})
+    result = t.train(2)
+    assert result.history[1]["kl"] > 0
+    assert (result.last_checkpoint / "model" / "model.safetensors").exists()
+
+
+def test_gradient_accumulation_and_num_iterations(tiny_model, tmp_path):
+    t = trainer_for(tiny_model, tmp_path, grpo={"num_generations": 4, "prompts_per_step": 2, "num_iterations": 2},
+                    optim={"steps": 1, "gradient_accumulation_steps": 2, "learning_rate": 1e-2})
+    m = t.train(1).history[0]
+    assert m["is/mean_importance_ratio"] != 1.0  # the second pass sees a moved policy
+    assert t.scheduler.last_epoch == 2
+
+
+def test_eval_decodes_exactly_like_a_standalone_generate_call(tiny_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trainer.evaluate import generate_texts
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    prompts = ["12+7", "40+33", "5+98"]
+    ours = generate_texts(model, tok, prompts, max_tokens=16)
+    by_hand = []
+    for p in prompts:
+        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        out = model.generate(**ids, max_new_tokens=16, do_sample=False)
+        by_hand.append(tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
+    assert ours == by_hand
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+def test_cli_rejects_unknown_spec_field_with_one_line_and_exit_2(tiny_model, tmp_path):
+    spec = spec_file(tiny_model, tmp_path / "spec.yaml")
+    proc = cli("train", str(spec), "--set", "grpo.bta=0.1", "--output", str(tmp_path / "o"), check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"error: {spec}: unknown field 'grpo.bta'; check the spelling against the spec reference (ballast spec-schema)"
+
+
+def test_cli_rejects_invalid_value_naming_field(tiny_model, tmp_path):
+    spec = spec_file(tiny_model, tmp_path / "spec.yaml")
+    proc = cli("train", str(spec), "--set", "grpo.loss_type=ppo", check=False)
+    assert proc.returncode == 2 and "grpo.loss_type" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_cli_missing_spec_file(tmp_path):
+    proc = cli("train", str(tmp_path / "nope.yaml"), check=False)
+    assert proc.returncode == 2 and "nope.yaml does not exist" in proc.stderr
