@@ -161,4 +161,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m flows.cli` runs this file as __main__; commands register on the importable module
+    from flows.cli import main as _main
+    sys.exit(_main())

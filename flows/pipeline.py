@@ -32,6 +32,7 @@ def configure_prefect(project_dir: str) -> None:
         home = Path(project_dir).resolve() / "prefect"
         home.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("PREFECT_HOME", str(home))
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")  # 2-core machines start it slowly
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
@@ -128,6 +129,13 @@ def run_pipeline(spec, resume_run_id: str | None = None, extra_callbacks=(), pro
         "fork_logprob_diff": source.max_logprob_diff, "code_commit": ref["commit"], "code_dirty": ref["dirty"],
         "spec_hash": spec_hash(spec), "base_model": spec.model.name_or_path, "data_fingerprint": data_fingerprint(train_set),
         "output_dir": str(output_dir), "checkpoint_prefix": store.child_uri(prefix), "status": "running", **(tags or {})})
+
+    if not resume_run_id:
+        with stage(client, experiment_id, run_id, "fork") as sid:
+            lineage.set_tags(client, sid, {"source": source.checkpoint_uri or f"base model {spec.model.name_or_path}",
+                                           "parent_run_id": source.parent_run_id, "parent_step": source.parent_step})
+            if source.max_logprob_diff is not None:
+                client.log_metric(sid, "fork/max_logprob_diff", source.max_logprob_diff)
 
     summary: dict = {"run_id": run_id, "output_dir": str(output_dir), "status": "failed"}
     sink = lineage.MetricsSink(client, run_id, spec.tracking.log_every)

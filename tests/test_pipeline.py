@@ -1,0 +1,218 @@
+"""The pipeline flow against real Prefect (its test harness), real MLflow (SQLite, and PostgreSQL),
+the artifact store on disk and on S3 (a moto server on loopback).
+
+Fork → train → checkpoint → artifact-probe → eval all complete in Prefect and are recorded in MLflow;
+forks verify and carry lineage; a tampered fork source leaves nothing behind; a store outage fails
+the checkpoint stage by name, keeps what was saved, and `--resume` finishes the run.
+"""
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import mlflow
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import REPO, tiny_spec
+
+STAGES = {"fork", "train", "checkpoint", "artifact-probe", "eval"}
+
+
+@pytest.fixture(scope="module")
+def prefect():
+    from prefect.testing.utilities import prefect_test_harness
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def pipeline_spec(tiny_model, project, **sections):
+    base = dict(name="pipeline-test", project_dir=str(project),
+                probe={"n": 2, "max_tokens": 24, "max_malformed_rate": 1.0},
+                eval={"every": 2, "max_tokens": 24})
+    base.update(sections)
+    return tiny_spec(tiny_model, **base)
+
+
+def run(spec_dict, resume_run_id=None):
+    from flows.pipeline import pipeline_flow
+    state = pipeline_flow()(spec_dict, resume_run_id, return_state=True)
+    return state, state.result(raise_on_failure=False)
+
+
+def task_run_names(flow_run_id) -> dict[str, str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {r.name.rsplit("-", 1)[0]: r.state.type.value for r in runs}
+
+
+def mlflow_client(project) -> MlflowClient:
+    uri = f"sqlite:///{project.resolve() / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    return MlflowClient(uri)
+
+
+def stage_runs(client, run_id) -> dict[str, str]:
+    parent = client.get_run(run_id)
+    children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{run_id}'")
+    return {r.data.tags["ballast.stage"]: r.info.status for r in children}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_model, tmp_path_factory, prefect):
+    project = tmp_path_factory.mktemp("project")
+    state, summary = run(pipeline_spec(tiny_model, project, optim={"steps": 4, "learning_rate": 3e-3}))
+    assert state.is_completed(), summary
+    return project, state, summary
+
+
+def test_all_five_stages_complete_in_prefect_and_mlflow(finished_run):
+    project, state, summary = finished_run
+    assert summary["status"] == "finished"
+    tasks = task_run_names(state.state_details.flow_run_id)
+    assert set(tasks) == STAGES and set(tasks.values()) == {"COMPLETED"}
+    client = mlflow_client(project)
+    assert stage_runs(client, summary["run_id"]) == {s: "FINISHED" for s in STAGES}
+
+
+def test_lineage_tags_params_metrics_and_artifacts(finished_run):
+    project, _, summary = finished_run
+    client = mlflow_client(project)
+    r = client.get_run(summary["run_id"])
+    tags = r.data.tags
+    for key in ("code_commit", "code_dirty", "spec_hash", "base_model", "data_fingerprint", "checkpoint_prefix", "output_dir"):
+        assert tags.get(f"ballast.{key}"), key
+    assert tags["ballast.status"] == "finished"
+    assert r.data.params["grpo.beta"] == "0.04" and r.data.params["optim.steps"] == "4"
+    assert [m.step for m in client.get_metric_history(r.info.run_id, "reward")] == [1, 2, 3, 4]
+    assert [m.step for m in client.get_metric_history(r.info.run_id, "eval/reward")] == [2, 4]
+    artifacts = {a.path for a in client.list_artifacts(r.info.run_id)}
+    assert {"spec.yaml", "checkpoints.json", "report.html", "plots", "probe"} <= artifacts
+    plots = {a.path for a in client.list_artifacts(r.info.run_id, "plots")}
+    assert {"plots/reward.png", "plots/kl.png", "plots/length.png", "plots/health.png"} <= plots
+
+
+def test_checkpoints_are_in_the_store_with_retention(finished_run):
+    from tasks.store import open_store
+    project, _, summary = finished_run
+    store = open_store(str(project / "artifacts"))
+    stored = store.list_dirs(f"runs/{summary['run_id']}/checkpoints")
+    assert stored == ["step-000002", "step-000004"]
+    assert set(summary["checkpoints"]) == {2, 4}
+
+
+def test_secrets_never_reach_mlflow(tiny_model, tmp_path, prefect, monkeypatch):
+    from tasks.spec import SpecError, load_spec
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-value-never-logged")
+    with pytest.raises(SpecError, match="infra.env.api_key.*looks like a secret"):
+        load_spec(pipeline_spec(tiny_model, tmp_path, infra={"env": {"api_key": "sk-live"}}))
+
+
+def test_fork_chain_a_b_c_verifies_and_walks_back(tiny_model, finished_run, prefect, tmp_path):
+    from tasks import lineage
+    project, _, a = finished_run
+    b_state, b = run(pipeline_spec(tiny_model, project, name="b", fork={"run_id": a["run_id"], "step": 2},
+                                   optim={"steps": 2}, probe={"enabled": False}))
+    assert b_state.is_completed(), b
+    client = mlflow_client(project)
+    tags = client.get_run(b["run_id"]).data.tags
+    assert tags["ballast.parent_run_id"] == a["run_id"] and tags["ballast.parent_step"] == "2"
+    assert float(tags["ballast.fork_logprob_diff"]) < 1e-4
+    # the fork continued from the parent's step-2 adapter, not from a fresh one
+    b_metrics = [json.loads(l) for l in open(os.path.join(b["output_dir"], "metrics.jsonl"))]
+    assert b_metrics[0]["kl"] > 0  # the policy starts away from the base model
+    c_state, c = run(pipeline_spec(tiny_model, project, name="c", fork={"run_id": b["run_id"]},
+                                   optim={"steps": 1}, checkpoint={"every": 1}, probe={"enabled": False}))
+    assert c_state.is_completed(), c
+    chain = lineage.chain(client, c["run_id"])
+    assert [x["run_id"] for x in chain] == [c["run_id"], b["run_id"], a["run_id"]]
+    assert chain[0]["parent_step"] == "2"  # c forked b's newest checkpoint, step 2
+
+
+def test_fork_from_tampered_checkpoint_fails_and_leaves_no_run(tiny_model, finished_run, prefect, tmp_path):
+    import shutil
+    project, _, a = finished_run
+    src = tmp_path / "tampered"
+    shutil.copytree(os.path.join(a["output_dir"], "checkpoints", "step-000004"), src)
+    cfg = src / "adapter" / "adapter_config.json"
+    cfg.write_text(cfg.read_text().replace('"lora_alpha": 16', '"lora_alpha": 64'))
+    client = mlflow_client(project)
+    before = len(client.search_runs([client.get_experiment_by_name("ballast").experiment_id]))
+    state, result = run(pipeline_spec(tiny_model, project, name="bad-fork", fork={"checkpoint": str(src)}))
+    assert state.is_failed()
+    assert "stage 'fork' failed" in str(result) and "adapter/adapter_config.json" in str(result)
+    assert len(client.search_runs([client.get_experiment_by_name("ballast").experiment_id])) == before
+
+
+def test_fork_that_does_not_reproduce_its_fingerprint_is_refused(tiny_model, finished_run, prefect, tmp_path):
+    """The adapter config was changed by buggy code *before* hashing: the hash passes, the fingerprint does not."""
+    import hashlib
+    import shutil
+    project, _, a = finished_run
+    src = tmp_path / "rescaled"
+    shutil.copytree(os.path.join(a["output_dir"], "checkpoints", "step-000004"), src)
+    cfg = src / "adapter" / "adapter_config.json"
+    cfg.write_text(cfg.read_text().replace('"lora_alpha": 16', '"lora_alpha": 64'))
+    manifest = json.loads((src / "manifest.json").read_text())
+    manifest["files"]["adapter/adapter_config.json"] = hashlib.sha256(cfg.read_bytes()).hexdigest()
+    (src / "manifest.json").write_text(json.dumps(manifest))
+    state, result = run(pipeline_spec(tiny_model, project, name="rescaled-fork", fork={"checkpoint": str(src)}))
+    assert state.is_failed() and "does not reproduce its logprob fingerprint" in str(result)
+
+
+def test_pipeline_on_s3_and_postgres_mlflow(tiny_model, tmp_path, prefect, s3_bucket):
+    db = f"ballast_{uuid.uuid4().hex[:8]}"
+    subprocess.run(["psql", "-h", "127.0.0.1", "-U", "postgres", "-c", f"create database {db}"], check=True, capture_output=True)
+    uri = f"postgresql://postgres@127.0.0.1:5432/{db}"
+    spec = pipeline_spec(tiny_model, tmp_path, optim={"steps": 2}, tracking={"uri": uri},
+                         storage={"uri": f"s3://{s3_bucket}/ballast"}, probe={"n": 1, "max_tokens": 24, "max_malformed_rate": 1.0})
+    state, summary = run(spec)
+    assert state.is_completed(), summary
+    assert summary["final_checkpoint"].startswith(f"s3://{s3_bucket}/ballast/runs/")
+    client = MlflowClient(uri)
+    assert stage_runs(client, summary["run_id"]) == {s: "FINISHED" for s in STAGES}
+    from tasks.store import open_store
+    assert open_store(f"s3://{s3_bucket}/ballast").list_dirs(f"runs/{summary['run_id']}/checkpoints") == ["step-000002"]
+
+
+def test_store_outage_fails_checkpoint_stage_keeps_local_state_and_resume_finishes(tiny_model, tmp_path, prefect, moto_server,
+                                                                                  monkeypatch):
+    import boto3
+    bucket = f"outage-{uuid.uuid4().hex[:8]}"
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    spec = pipeline_spec(tiny_model, tmp_path, optim={"steps": 2}, storage={"uri": f"s3://{bucket}/b"}, probe={"enabled": False})
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    state, result = run(spec)
+    assert state.is_failed() and "stage 'checkpoint' failed" in str(result)
+    client = mlflow_client(tmp_path)
+    failed = client.search_runs([client.get_experiment_by_name("ballast").experiment_id], "tags.`ballast.status` = 'failed'")
+    assert len(failed) == 1
+    run_id = failed[0].info.run_id
+    assert "stage 'checkpoint' failed" in failed[0].data.tags["ballast.stop_reason"]
+    assert os.path.isdir(os.path.join(failed[0].data.tags["ballast.output_dir"], "checkpoints", "step-000002"))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server)
+    state, summary = run(spec, resume_run_id=run_id)
+    assert state.is_completed(), summary
+    assert summary["run_id"] == run_id and summary["status"] == "finished"
+    assert client.get_run(run_id).data.tags["ballast.status"] == "finished"
+
+
+def test_cli_run_and_resume_by_run_id(tiny_model, tmp_path):
+    """`ballast run SPEC` through the CLI, with Prefect's ephemeral API and nothing configured."""
+    import yaml
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(pipeline_spec(tiny_model, tmp_path / "proj", optim={"steps": 2}, probe={"enabled": False})))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(spec)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "MLflow UI:" in proc.stdout and "report:" in proc.stdout
+    run_id = proc.stdout.split("Ballast run ")[1].split(":")[0].strip()
+    again = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--resume", run_id, "--project-dir", str(tmp_path / "proj")],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"Ballast run {run_id}: finished" in again.stdout

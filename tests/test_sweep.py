@@ -1,0 +1,281 @@
+"""Sweeps as a user runs them: `ballast sweep FILE` on the tiny model, real Optuna (SQLite), real
+Prefect (its test harness), real MLflow (SQLite).
+
+Sweep files are checked before anything runs, naming the field; the space is asked define-by-run;
+a sweep records an MLflow parent run with a child run per trial and a summary; a collapsing
+configuration is pruned by the health gate within a few steps, its reason on the trial; a sweep
+resumes into the same study; a worker killed mid-trial leaves a failed, uncounted trial and the
+resumed sweep still completes the requested count.
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import mlflow
+import optuna
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import REPO, tiny_spec
+
+HEALTHY_LR, COLLAPSE_LR, OTHER_LR = 1e-3, 0.8, 3e-3
+
+
+@pytest.fixture(scope="module")
+def prefect_api():
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+    with prefect_test_harness(server_startup_timeout=180):
+        yield PREFECT_API_URL.value()
+
+
+def sweep_file(path, tiny_model, project, **fields):
+    """A sweep over the learning rate of 4-step trials on the tiny model (base spec inline)."""
+    base = tiny_spec(tiny_model, name="sweep-test", project_dir=str(project), probe={"enabled": False},
+                     optim={"steps": 4, "learning_rate": HEALTHY_LR}, checkpoint={"every": 100, "keep_last": 1},
+                     health={"patience": 2})
+    data = {"study": "lr-sweep", "base": base,
+            "space": {"optim.learning_rate": {"type": "categorical", "choices": [HEALTHY_LR, COLLAPSE_LR, OTHER_LR]}},
+            "sampler": {"type": "grid"}, "pruner": {"type": "none"}, "trials": 2, "seed": 0,
+            "heartbeat": {"interval": 1, "grace_period": 3}}
+    data.update(fields)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def ballast(*args) -> int:
+    from flows.cli import main
+    return main([str(a) for a in args])
+
+
+def load(project, name="lr-sweep") -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{project / 'optuna.db'}")
+
+
+def mlflow_client(project) -> MlflowClient:
+    uri = f"sqlite:///{project / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    return MlflowClient(uri)
+
+
+def runs_of(client, parent_id):
+    exp = client.get_run(parent_id).info.experiment_id
+    return client.search_runs([exp], f"tags.mlflow.parentRunId = '{parent_id}' and tags.`ballast.study` = 'lr-sweep'")
+
+
+# ── sweep files ────────────────────────────────────────────────────────────────────────────────────
+
+def base_sweep(tiny_model, tmp_path):
+    return yaml.safe_load(sweep_file(tmp_path / "s.yaml", tiny_model, tmp_path / "p").read_text())
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda d: d.update(sampler_type="tpe"), "'sampler_type'"),
+    (lambda d: d["space"].update({"optim.lr": {"type": "float", "low": 1e-4, "high": 1e-2}}), "'space.optim.lr'"),
+    (lambda d: d["space"].update({"lora": {"type": "categorical", "choices": [1]}}), "'space.lora'"),
+    (lambda d: d["space"].update({"lora.r": {"type": "categorical"}}), "'space.lora.r'"),
+    (lambda d: d["space"].update({"grpo.beta": {"type": "float", "low": 0.1, "high": 0.01}}), "'space.grpo.beta'"),
+    (lambda d: d["space"].update({"grpo.beta": {"type": "float", "low": 0.0, "high": 0.1, "log": True}}), "'space.grpo.beta'"),
+    (lambda d: d["space"].update({"lora.r": {"type": "int", "low": 0, "high": 16}}), "'space.lora.r'"),
+    (lambda d: d.update(overrides={"optim.stepz": 3}), "'overrides.optim.stepz'"),
+    (lambda d: d.update(objectives=[{"metric": "eval/reward", "direction": "upward"}]), "'objectives.0.direction'"),
+    (lambda d: d.update(objectives=[{"metric": "rewrd"}]), "'objectives.0'"),
+    (lambda d: d["space"].update({"grpo.beta": {"type": "float", "low": 0.01, "high": 0.1}}), "'sampler'"),
+    (lambda d: d.update(trials=9), "'trials'"),
+    (lambda d: d.update(objectives=[{"metric": "eval/reward"}, {"metric": "stability", "direction": "minimize"}],
+                        pruner={"type": "median"}), "pruner"),
+])
+def test_invalid_sweep_files_are_rejected_naming_the_field(tiny_model, tmp_path, change, named):
+    from sweeps.space import SweepError, load_sweep
+    data = base_sweep(tiny_model, tmp_path)
+    change(data)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(SweepError) as e:
+        load_sweep(path)
+    assert named in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_bad_sweep_file_exits_2_before_any_study_exists(tiny_model, tmp_path, capsys):
+    data = base_sweep(tiny_model, tmp_path)
+    data["space"]["optim.lr"] = {"type": "float", "low": 1e-4, "high": 1e-2}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert ballast("sweep", path) == 2
+    assert "space.optim.lr" in capsys.readouterr().err
+    assert not (tmp_path / "p" / "optuna.db").exists()
+
+
+def test_suggest_asks_float_log_int_and_categorical_define_by_run():
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+    from sweeps.space import ParamSpec, suggest
+    space = {"optim.learning_rate": ParamSpec(type="float", low=1e-5, high=0.5, log=True),
+             "grpo.num_generations": ParamSpec(type="int", low=4, high=16, step=4),
+             "lora.r": ParamSpec(type="categorical", choices=[4, 8, 16]),
+             "rollout.repetition_penalty": ParamSpec(type="float", low=1.0, high=1.3)}
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    seen = []
+    for _ in range(30):
+        trial = study.ask()
+        seen.append(suggest(trial, space))
+        study.tell(trial, 0.0)
+    d = study.trials[0].distributions
+    assert d["optim.learning_rate"] == FloatDistribution(1e-5, 0.5, log=True)
+    assert d["grpo.num_generations"] == IntDistribution(4, 16, step=4)
+    assert d["lora.r"] == CategoricalDistribution([4, 8, 16])
+    assert all(1e-5 <= s["optim.learning_rate"] <= 0.5 for s in seen)
+    assert {s["grpo.num_generations"] for s in seen} == {4, 8, 12, 16}
+    assert {s["lora.r"] for s in seen} == {4, 8, 16}
+    assert all(1.0 <= s["rollout.repetition_penalty"] <= 1.3 for s in seen)
+    # log scale: about half the draws below the geometric middle (~2.2e-3), far from a linear scale's 0.4 %
+    assert 8 <= sum(s["optim.learning_rate"] < 2.2e-3 for s in seen) <= 22
+
+
+def test_a_trial_spec_is_base_plus_overrides_plus_the_trials_values(tiny_model, tmp_path):
+    from sweeps.space import load_sweep, trial_spec
+    path = sweep_file(tmp_path / "s.yaml", tiny_model, tmp_path / "p", overrides={"grpo.beta": 0.1, "rollout.max_tokens": 20})
+    sweep = load_sweep(path)
+    spec = trial_spec(sweep, {"optim.learning_rate": 0.8, "lora.r": 4}, name="t-3")
+    assert (spec.grpo.beta, spec.rollout.max_tokens, spec.optim.learning_rate, spec.lora.r, spec.name) == (0.1, 20, 0.8, 4, "t-3")
+    assert spec.health.enabled and spec.health.patience == 2
+    sweep.prune_collapsed = False
+    assert trial_spec(sweep, {}).health.enabled is False
+
+
+def test_stability_is_the_closest_approach_to_a_health_threshold():
+    from sweeps.space import stability
+    from trainer.config import HealthConfig
+    history = [{"kl": 0.25, "completions/clipped_ratio": 0.0}, {"kl": 0.5, "health/ngram_repetition": 0.3}]
+    assert stability(history, HealthConfig(kl_max=1.0, ngram_repetition_max=0.6)) == pytest.approx(0.5)
+    assert stability(history, HealthConfig(kl_max=0.25, ngram_repetition_max=0.6)) == pytest.approx(2.0)
+
+
+# ── a sweep end to end ─────────────────────────────────────────────────────────────────────────────
+
+@pytest.fixture(scope="module")
+def finished_sweep(tiny_model, tmp_path_factory, prefect_api):
+    """`ballast sweep` for 2 trials of the 3-point grid; what it left, read back at once."""
+    root = tmp_path_factory.mktemp("sweep")
+    project = root / "project"
+    path = sweep_file(root / "sweep.yaml", tiny_model, project)
+    rc = ballast("sweep", path)
+    study = load(project)
+    parent_id = study.user_attrs["ballast.mlflow_parent_run_id"]
+    client = mlflow_client(project)
+    children = runs_of(client, parent_id)
+    artifacts = {a.path for a in client.list_artifacts(parent_id, "summary")}
+    artifacts |= {a.path for a in client.list_artifacts(parent_id, "summary/plots")}
+    return dict(rc=rc, root=root, project=project, path=path, trials=study.trials, parent=client.get_run(parent_id),
+                children=children, artifacts=artifacts)
+
+
+def test_sweep_finishes_its_trials_and_exits_0(finished_sweep):
+    assert finished_sweep["rc"] == 0
+    states = sorted(t.state.name for t in finished_sweep["trials"])
+    assert len(states) == 2 and set(states) <= {"COMPLETE", "PRUNED"}
+
+
+def test_sweep_is_one_mlflow_parent_run_with_a_child_run_per_trial(finished_sweep):
+    parent, children, trials = finished_sweep["parent"], finished_sweep["children"], finished_sweep["trials"]
+    assert parent.info.status == "FINISHED"
+    assert parent.data.tags["ballast.kind"] == "sweep" and parent.data.tags["ballast.study"] == "lr-sweep"
+    assert "space.optim.learning_rate" in parent.data.params
+    by_number = {int(r.data.tags["ballast.trial_number"]): r for r in children}
+    assert sorted(by_number) == sorted(t.number for t in trials)
+    for t in trials:
+        run = by_number[t.number]
+        assert float(run.data.params["optim.learning_rate"]) == t.params["optim.learning_rate"]
+        assert run.data.tags["ballast.trial_state"] == t.state.name
+        assert run.data.tags["ballast.spec_hash"]  # the pipeline's own lineage is there too
+        assert t.user_attrs["mlflow_run_id"] == run.info.run_id
+        if t.state.name == "COMPLETE":
+            assert run.data.metrics["objective/eval/reward"] == pytest.approx(t.value)
+
+
+def test_sweep_summary_is_logged_to_the_parent_run(finished_sweep):
+    arts = finished_sweep["artifacts"]
+    assert {"summary/summary.html", "summary/summary.json"} <= arts
+    assert "summary/plots/intermediate_values.png" in arts
+    summary_json = finished_sweep["project"] / "sweeps" / "lr-sweep" / "summary.json"
+    import json
+    s = json.loads(summary_json.read_text())
+    assert s["done"] and sum(s["states"].values()) == 2
+    assert "optuna-dashboard sqlite:///" in s["dashboard"]
+
+
+def test_a_collapsing_learning_rate_is_pruned_by_the_health_gate_within_a_few_steps(finished_sweep):
+    collapsed = [t for t in finished_sweep["trials"] if t.params["optim.learning_rate"] == COLLAPSE_LR]
+    healthy = [t for t in finished_sweep["trials"] if t.params["optim.learning_rate"] != COLLAPSE_LR]
+    assert len(collapsed) == 1  # the seed-0 grid runs 3e-3, then 0.8, then 1e-3
+    t = collapsed[0]
+    assert t.state.name == "PRUNED"
+    assert t.user_attrs["pruned_by"] == "health_gate"
+    assert t.user_attrs["prune_reason"].startswith("collapsed: ")
+    assert t.user_attrs["last_step"] <= 3 < 4
+    assert all(h.state.name == "COMPLETE" and h.user_attrs["last_step"] == 4 for h in healthy)
+    run = next(r for r in finished_sweep["children"] if int(r.data.tags["ballast.trial_number"]) == t.number)
+    assert run.data.tags["ballast.prune_reason"] == t.user_attrs["prune_reason"]
+
+
+def test_rerunning_with_more_trials_continues_the_same_study(finished_sweep):
+    project = finished_sweep["project"]
+    before = {t.number: t.params for t in finished_sweep["trials"]}
+    assert ballast("sweep", finished_sweep["path"], "--trials", 3) == 0
+    study = load(project)
+    done = [t for t in study.trials if t.state.name in ("COMPLETE", "PRUNED")]
+    assert len(done) == 3 and len(study.trials) == 3
+    assert {t.number: t.params for t in study.trials if t.number in before} == before
+    assert len({t.params["optim.learning_rate"] for t in done}) == 3  # the grid went on where it stopped
+    assert study.user_attrs["ballast.mlflow_parent_run_id"] == finished_sweep["parent"].info.run_id
+    assert len(runs_of(mlflow_client(project), finished_sweep["parent"].info.run_id)) == 3
+
+
+def test_a_changed_sweep_definition_is_refused_for_an_existing_study(finished_sweep, tmp_path, capsys):
+    data = yaml.safe_load(finished_sweep["path"].read_text())
+    data["space"]["optim.learning_rate"]["choices"] = [1e-3, 2e-3]
+    path = tmp_path / "changed.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert ballast("sweep", path) == 2
+    assert "different 'space'" in capsys.readouterr().err
+
+
+# ── a worker killed mid-trial ──────────────────────────────────────────────────────────────────────
+
+def test_a_worker_killed_mid_trial_leaves_an_uncounted_trial_and_the_sweep_completes(tiny_model, tmp_path, prefect_api):
+    project = tmp_path / "project"
+    path = sweep_file(tmp_path / "sweep.yaml", tiny_model, project, trials=1,
+                      space={"optim.learning_rate": {"type": "categorical", "choices": [HEALTHY_LR]}})
+    assert ballast("sweep", path, "--workers", 0) == 0  # the study and parent run only
+    env = dict(os.environ, PREFECT_API_URL=prefect_api)
+    worker = subprocess.Popen([sys.executable, "-c", "import sys; from flows.cli import main; sys.exit(main())", "sweep-worker",
+                               "--study", "lr-sweep", "--storage", f"sqlite:///{project / 'optuna.db'}", "--worker", "0"],
+                              cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 240
+    try:
+        while time.time() < deadline:  # kill once the trial has trained a step
+            trials = load(project).trials
+            if trials and trials[0].intermediate_values:
+                break
+            assert worker.poll() is None, worker.stderr.read().decode()[-3000:]
+            time.sleep(0.5)
+        else:
+            pytest.fail("the worker never started training")
+    finally:
+        worker.send_signal(signal.SIGKILL)
+        worker.wait()
+    assert load(project).trials[0].state.name == "RUNNING"
+
+    assert ballast("sweep", path) == 0
+    study = load(project)
+    killed, rest = study.trials[0], study.trials[1:]
+    assert killed.state.name == "FAIL"
+    assert "ballast.interrupted.0" in study.user_attrs
+    assert [t.state.name for t in rest] == ["COMPLETE"]  # exactly the requested count, the killed one not among them
+    assert rest[0].params == killed.params  # its configuration was run again
+    client = mlflow_client(project)
+    killed_run = next(r for r in runs_of(client, study.user_attrs["ballast.mlflow_parent_run_id"])
+                      if r.data.tags["ballast.trial_number"] == "0")
+    assert killed_run.info.status == "KILLED" and killed_run.data.tags["ballast.trial_state"] == "INTERRUPTED"
