@@ -136,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    import logging
+    for noisy in ("mlflow", "alembic", "httpx", "botocore", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
     from tasks.spec import SpecError
     from trainer.checkpoint import CheckpointError

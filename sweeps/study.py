@@ -121,6 +121,8 @@ def make_pruner(sweep: SweepSpec) -> optuna.pruners.BasePruner:
 def open_study(sweep: SweepSpec, storage: RDBStorage, n_trials: int | None = None, worker: int = 0) -> optuna.Study:
     """Create the sweep's study, or resume it. Stores the definition and the total on the study."""
     import json
+    if n_trials is not None and sweep.sampler.type == "grid" and n_trials > sweep.grid_size():
+        raise SweepError(f"--trials {n_trials} is more than the {sweep.grid_size()} points of the grid sweep {sweep.study_name!r}")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(storage=storage, study_name=sweep.study_name, directions=sweep.directions,
                                 sampler=make_sampler(sweep, worker), pruner=make_pruner(sweep), load_if_exists=True)
