@@ -295,3 +295,19 @@ def test_cli_rejects_invalid_value_naming_field(tiny_model, tmp_path):
 def test_cli_missing_spec_file(tmp_path):
     proc = cli("train", str(tmp_path / "nope.yaml"), check=False)
     assert proc.returncode == 2 and "nope.yaml does not exist" in proc.stderr
+
+
+# ------------------------------------------------------------------------------------------ health gate
+
+def test_default_health_gate_stops_a_run_that_collapses(tiny_model, tmp_path):
+    """A learning rate far too high: completions degenerate and the default gate stops the run."""
+    t = trainer_for(tiny_model, tmp_path, optim={"steps": 12, "learning_rate": 0.3}, checkpoint={"every": 100})
+    result = t.train(12)
+    assert result.stopped is not None and result.stopped.startswith("collapsed: ")
+    assert result.last_step < 12
+    assert result.last_checkpoint is not None and result.last_checkpoint.name == f"step-{result.last_step:06d}"  # kept for probing
+
+
+def test_default_health_gate_lets_a_healthy_run_finish(straight_run):
+    steps = [m["step"] for m in read_jsonl(straight_run / "metrics.jsonl")]
+    assert steps == [1, 2, 3, 4, 5, 6]
