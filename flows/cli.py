@@ -8,6 +8,7 @@
   ballast regress SPEC --ref A --ref B     the same experiment on two code refs, probed and compared
   ballast sweep FILE [--trials N] [--workers K] [--storage URL]   an Optuna sweep of pipeline runs
   ballast sweep-worker --study NAME --storage URL               join a sweep from another machine
+  ballast vllm-env [--path DIR] [--gpu|--cpu]   create the separate vLLM environment
   ballast ui                               the MLflow and Prefect UIs on the embedded stores
   ballast metrics                          every metric name and its meaning
 

@@ -126,6 +126,7 @@ def _p_probe(p):
 
 def cmd_compare(args) -> int:
     from tasks.compare import compare, plot_comparison, resolve_target, write_comparison_html
+    from tasks.probe import ProbeError
 
     if not 0 < args.alpha < 1:
         raise UserError(f"--alpha {args.alpha}: give a significance level between 0 and 1, e.g. 0.01", 2)
@@ -144,9 +145,9 @@ def cmd_compare(args) -> int:
                                         cache_dir=Path(args.cache_dir) if args.cache_dir else None, tracking_uri=tracking_uri))
         except FileNotFoundError as e:
             raise UserError(f"{name}: {e}", 2) from None
+        except ProbeError as e:  # a checkpoint that cannot be probed: a failure, not a bad argument
+            raise UserError(f"{name}: {e}", 1) from None
         except ValueError as e:
-            if type(e).__name__ == "ProbeError":
-                raise UserError(f"{name}: {e}", 1) from None
             raise UserError(f"{name}: {e}", 2) from None
     (report_a, history_a), (report_b, history_b) = sides
     result = compare(report_a, report_b, alpha=args.alpha, labels=(args.label_a or "A", args.label_b or "B"))

@@ -185,6 +185,7 @@ def run_regression(spec_path: str, refs: list[str], runs: int = 1, steps: int | 
     """The regression flow's body (see the module docstring). `task(fn, name)` wraps a step as a Prefect task
     (identity when None). Returns {verdict, summary, p_value, regression, run_id, work_dir, comparison, html, ...}."""
     from tasks.compare import compare, plot_comparison, pool_reports, read_history, write_comparison_html
+    from tasks.spec import load_spec
     from trainer.model import ensure_model
 
     task = task or (lambda fn, name: fn)
@@ -194,11 +195,10 @@ def run_regression(spec_path: str, refs: list[str], runs: int = 1, steps: int | 
         raise UserError(f"--runs {runs}: give 1 or more runs per ref", 2)
     root = repo_root(repo)
     commits = [resolve_commit(root, r) for r in refs]
+    project_dir = load_spec(spec_path, list(overrides)).project_dir  # a bad spec fails here, naming the field
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    from tasks.spec import load_spec
-    first = load_spec(spec_path, list(overrides))
     work = Path(work_dir).expanduser().resolve() if work_dir else \
-        Path(first.project_dir).resolve() / "regressions" / f"{stamp}-{_label(refs[0])}-{_label(refs[1])}"
+        Path(project_dir).resolve() / "regressions" / f"{stamp}-{_label(refs[0])}-{_label(refs[1])}"
     work.mkdir(parents=True, exist_ok=True)
     spec, spec_file = resolved_spec(spec_path, list(overrides), work / "spec.yaml")
     ensure_model(spec.model)
@@ -244,7 +244,7 @@ def run_regression(spec_path: str, refs: list[str], runs: int = 1, steps: int | 
     return {"verdict": result["verdict"], "regression": result["regression"], "summary": result["summary"],
             "p_value": result["p_value"], "run_id": run_id, "work_dir": str(work),
             "comparison": str(work / "comparison.json"), "html": str(html_path),
-            "malformed": {s["ref"]: [s["pooled"]["n_malformed"], s["pooled"]["n_samples"]] for s in sides}}
+            "malformed": {s["side"]: [s["pooled"]["n_malformed"], s["pooled"]["n_samples"]] for s in sides}}
 
 
 def record_comparison(spec, result: dict, work: Path, plots: list[Path]) -> str:
@@ -324,6 +324,7 @@ def cmd_regress(args) -> int:
     for ref in args.ref:
         resolve_commit(root, ref)
     configure_prefect(spec.project_dir)
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # a busy machine starts it slowly
     summary = regression_flow()(str(Path(args.spec).resolve()), list(args.ref), runs=args.runs, steps=args.steps,
                                 repo=str(root), overrides=list(args.set), alpha=args.alpha, work_dir=args.work_dir)
     print(summary["summary"])

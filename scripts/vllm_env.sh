@@ -57,6 +57,11 @@ if [ "$MODE" = cpu ]; then
   done
 else
   "$PY" -m pip install -q vllm >&2
+  if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)"; then
+    echo "vllm_env.sh: the torch installed with vllm in $VENV has no CUDA (a CPU wheel from a local find-links or" \
+         "index won); remove $VENV and install again with that source disabled" >&2
+    exit 1
+  fi
 fi
 if ! "$PY" -c "import vllm" >&2; then
   echo "vllm_env.sh: vllm was installed into $VENV but does not import (see the error above)" >&2

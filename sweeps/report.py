@@ -29,6 +29,7 @@ def trial_row(t: optuna.trial.FrozenTrial, sweep: SweepSpec) -> dict:
         "steps": t.user_attrs.get("last_step"), "prune_reason": t.user_attrs.get("prune_reason"),
         "pruned_by": t.user_attrs.get("pruned_by"), "error": t.user_attrs.get("error"),
         "not_counted": t.user_attrs.get("not_counted"), "mlflow_run_id": t.user_attrs.get("mlflow_run_id"),
+        "worker": t.user_attrs.get("worker"),
         "seconds": (t.datetime_complete - t.datetime_start).total_seconds() if t.datetime_complete and t.datetime_start else None,
     }
 

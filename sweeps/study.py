@@ -24,8 +24,11 @@ How a sweep grows past one process, with nothing home-made but the loop's stoppi
 """
 from __future__ import annotations
 
+import os
+import socket
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -41,8 +44,16 @@ DONE = (TrialState.COMPLETE, TrialState.PRUNED)
 SWEEP_ATTR = "ballast.sweep"          # study user attr: the sweep definition (JSON)
 TRIALS_ATTR = "ballast.n_trials"      # study user attr: the total the study should end with
 SQLITE_TIMEOUT_S = 60                 # how long a SQLite writer waits for another process's lock
+WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"   # trial user attr `worker`: who ran it
 
-warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+
+
+@contextmanager
+def _experimental_ok():
+    """Heartbeats and their retry callback are marked experimental in Optuna; we rely on them on purpose."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        yield
 
 
 def default_storage(project_dir: str | Path) -> str:
@@ -68,8 +79,9 @@ def make_storage(url: str, heartbeat=None, on_interrupted: Callable[[optuna.Stud
     hb = heartbeat or HeartbeatSpec()
     engine_kwargs = {"connect_args": {"timeout": SQLITE_TIMEOUT_S}} if url.startswith("sqlite") else {"pool_pre_ping": True}
     try:
-        return RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=hb.interval, grace_period=hb.grace_period,
-                          heartbeat_stale_trial_callback=_Interrupted(hb.retries, on_interrupted))
+        with _experimental_ok():
+            return RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=hb.interval, grace_period=hb.grace_period,
+                              heartbeat_stale_trial_callback=_Interrupted(hb.retries, on_interrupted))
     except Exception as e:
         raise SweepError(f"cannot open the Optuna storage {redact_url(url)}: {type(e).__name__}: {str(e).splitlines()[0]}; "
                          "check the URL (sqlite:///path or postgresql://user@host/db) and that the database exists") from None
@@ -79,7 +91,8 @@ class _Interrupted:
     """Heartbeat-stale trial: note it on the study, tell the caller, re-queue its configuration."""
 
     def __init__(self, retries: int, notify=None):
-        self.retry = RetryHeartbeatStaleTrialCallback(max_retry=retries) if retries else None
+        with _experimental_ok():
+            self.retry = RetryHeartbeatStaleTrialCallback(max_retry=retries) if retries else None
         self.notify = notify
 
     def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
@@ -91,7 +104,8 @@ class _Interrupted:
             except Exception as e:  # never let bookkeeping stop a worker
                 warnings.warn(f"could not record interrupted trial {trial.number}: {e}")
         if self.retry is not None:
-            self.retry(study, trial)
+            with _experimental_ok():
+                self.retry(study, trial)
 
 
 def make_sampler(sweep: SweepSpec, worker: int = 0) -> optuna.samplers.BaseSampler:
@@ -223,6 +237,7 @@ def optimize(study: optuna.Study, objective: Callable[[optuna.Trial], float | Se
     finished: dict[int, FrozenTrial] = {}
 
     def claimed(trial: optuna.Trial):
+        trial.set_user_attr("worker", WORKER_ID)
         ahead = sum(1 for t in study.get_trials(deepcopy=False, states=(*DONE, TrialState.RUNNING)) if t.number < trial.number)
         if ahead >= total:
             trial.set_user_attr("not_counted", f"surplus: {ahead} trials were already done or running for a total of {total}")
@@ -239,7 +254,8 @@ def optimize(study: optuna.Study, objective: Callable[[optuna.Trial], float | Se
         finished[frozen.number] = frozen
 
     while True:
-        optuna.storages.fail_stale_trials(study)
+        with _experimental_ok():
+            optuna.storages.fail_stale_trials(study)
         c = counts(study)
         done = c["COMPLETE"] + c["PRUNED"]
         if done >= total:
@@ -251,7 +267,8 @@ def optimize(study: optuna.Study, objective: Callable[[optuna.Trial], float | Se
             time.sleep(poll)
             continue
         waiting_said = False
-        study.optimize(claimed, n_trials=1, catch=(Exception,), callbacks=[remember, *callbacks])
+        with _experimental_ok():
+            study.optimize(claimed, n_trials=1, catch=(Exception,), callbacks=[remember, *callbacks])
         if not finished:
             continue
         number = max(finished)

@@ -232,6 +232,10 @@ def _runs(history) -> list[list[dict]]:
     return [history] if isinstance(history[0], dict) else [h for h in history if h]
 
 
+def _name(letter: str, label: str) -> str:
+    return (letter if label in ("", letter) else f"{letter}: {label}")[:30]
+
+
 def plot_comparison(result: dict, out_dir: Path, history_a=None, history_b=None) -> list[Path]:
     """rates.png (malformed rate with its Wilson interval, A vs B) and, when histories are given,
     curves.png (training metrics of A and B side by side, one thin line per run)."""
@@ -250,7 +254,7 @@ def plot_comparison(result: dict, out_dir: Path, history_a=None, history_b=None)
         ax.bar(i, rate, color=color, alpha=0.7)
         ax.errorbar(i, rate, yerr=[[rate - lo], [hi - rate]], color="black", capsize=8)
         ax.text(i, hi + 0.02, f"{s['n_malformed']}/{s['n_samples']}", ha="center", fontsize=9)
-    ax.set_xticks([0, 1], [f"A: {sides[0]['label']}"[:30], f"B: {sides[1]['label']}"[:30]], fontsize=8)
+    ax.set_xticks([0, 1], [_name("A", sides[0]["label"]), _name("B", sides[1]["label"])], fontsize=8)
     ax.set_ylim(0, 1.1)
     ax.set_ylabel(f"malformed rate ({result.get('ci_level', CI_LEVEL):.0%} Wilson CI)")
     ax.set_title(f"{result['verdict']} (Fisher one-sided p={result['p_value']:.2g})", fontsize=10)
@@ -269,7 +273,7 @@ def plot_comparison(result: dict, out_dir: Path, history_a=None, history_b=None)
                     pts = [(m["step"], m[key]) for m in run if key in m and m[key] == m[key]]
                     if pts:
                         ax.plot(*zip(*pts), color=color, alpha=0.8, linewidth=1,
-                                label=f"{'A' if side is sides[0] else 'B'}: {side['label']}"[:30] if k == 0 else None)
+                                label=_name("A" if side is sides[0] else "B", side["label"]) if k == 0 else None)
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)

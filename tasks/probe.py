@@ -38,7 +38,8 @@ completion), optional "expected_length" (characters)}, or `.txt` with one prompt
 shipped default (`tasks/probe_prompts/default.jsonl`) fits the quickstart's arithmetic model and its
 `<output>` format; a real model should point `probe.prompts_file` to prompts of its own task.
 The expected length of a prompt's answer (for too_long) is its "expected_length", else
-`probe.expected_length`, else the length of its "answer", else unchecked.
+`probe.expected_length`, else the length of its "answer", else unchecked; too_long fires beyond
+`probe.length_factor` (3) times it.
 
 **The report** (JSON, `schema_version` 1; keys are stable, new keys may be added):
 
@@ -83,7 +84,6 @@ from trainer.health import REASONS, classify, reason_code
 SCHEMA_VERSION = 1
 REPORT_KIND = "ballast-probe-report"
 CI_LEVEL = 0.95
-LENGTH_FACTOR = 3.0  # too_long: longer than this many times the expected length (trainer.health.classify)
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "probe_prompts" / "default.jsonl"
 DEFAULT_CACHE = Path(".ballast") / "cache" / "probe"
 SHOW_DIFFS = 3  # examples quoted in a tokenizer-mismatch message
@@ -249,6 +249,22 @@ def _check_tokenizer(saved, base, prompts: list[dict]) -> tuple[bool, str]:
     return True, "the checkpoint's tokenizer/ matches the base model's"
 
 
+def _load_full_model(model_dir: Path, model_cfg: ModelConfig):
+    """(model, base tokenizer) of a full fine-tuning checkpoint: its weights, the base model's tokenizer, frozen."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainer.model import ensure_model, load_tokenizer, resolve_device
+
+    tokenizer = load_tokenizer(ensure_model(model_cfg))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, model_cfg.dtype),
+                                                 trust_remote_code=model_cfg.trust_remote_code)
+    model.to(resolve_device(model_cfg.device)).eval().requires_grad_(False)
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
 # ── the probe ──────────────────────────────────────────────────────────────────────────────────────
 
 def model_config_from_manifest(manifest: dict, device: str = "auto") -> ModelConfig:
@@ -270,7 +286,7 @@ def probe_checkpoint(checkpoint_uri: str, cfg, model_cfg: Optional[ModelConfig] 
     from trainer.data import render_prompt
     from trainer.engines.base import SamplingParams
     from trainer.engines.hf import HFEngine
-    from trainer.model import compare_fingerprint, load_policy
+    from trainer.model import compare_fingerprint, ensure_model, load_policy, load_tokenizer
 
     if engine != "hf":
         raise ValueError(f"engine={engine!r}: the probe samples with the 'hf' engine (a fresh in-process model); use engine='hf'")
@@ -296,11 +312,15 @@ def probe_checkpoint(checkpoint_uri: str, cfg, model_cfg: Optional[ModelConfig] 
     ok, detail = _check_adapter_config(local, manifest)
     checks["adapter_config"] = {"ok": ok, "detail": detail}
 
-    # 3. a fresh model from the artifact
+    # 3. a fresh model from the artifact, on a base model that exists here
+    try:
+        load_tokenizer(ensure_model(model_cfg))
+    except (OSError, ValueError) as e:
+        raise ProbeError(f"cannot probe {checkpoint_uri}: its base model cannot be loaded here ({e}); give the base model "
+                         "the run trained on with --base or model.name_or_path") from None
     try:
         if full_model:
-            load_cfg = model_cfg.model_copy(update={"name_or_path": str(local / "model"), "build_if_missing": None})
-            model, base_tokenizer = load_policy(load_cfg, LoraConfig(enabled=False), trainable=False)
+            model, base_tokenizer = _load_full_model(local / "model", model_cfg)
         else:
             model, base_tokenizer = load_policy(model_cfg, lora_cfg.model_copy(update={"enabled": True}),
                                                 adapter_path=str(local / "adapter"), trainable=False)
@@ -330,19 +350,24 @@ def probe_checkpoint(checkpoint_uri: str, cfg, model_cfg: Optional[ModelConfig] 
     # 4. parity: teacher-forced logprobs of the reloaded artifact vs those recorded at save time
     fingerprint = manifest.get("fingerprint")
     parity_diff: Optional[float] = None
-    if fingerprint:
-        parity_diff = compare_fingerprint(model, tokenizer, device, fingerprint)
-        parity_ok = parity_diff <= cfg.parity_tolerance
-        detail = (f"max |logprob diff| {parity_diff:.3g} <= {cfg.parity_tolerance:g}" if parity_ok else
-                  f"parity failed: the reloaded artifact's teacher-forced logprobs on the manifest's fingerprint differ from "
-                  f"those recorded at save time by up to {parity_diff:.3g} (tolerance {cfg.parity_tolerance:g}): the model "
-                  "loaded from the artifact is not the model that was saved — adapter weights rescaled, adapter applied "
-                  "twice or merged, LoRA alpha/r changed, or another base model; do not ship it, find the step that "
-                  "changed the weights between training and saving")
-    else:
-        parity_ok = False
+    parity_ok = False
+    if not fingerprint:
         detail = ("parity not checked: the manifest has no logprob fingerprint (written by an older or foreign saver), so "
                   "nothing proves the reloaded artifact is the model that was trained; re-save it with Ballast")
+    else:
+        try:
+            parity_diff = compare_fingerprint(model, tokenizer, device, fingerprint)
+        except (IndexError, RuntimeError, ValueError) as e:  # e.g. token ids beyond a wrong base model's vocabulary
+            detail = (f"parity failed: the reloaded artifact cannot be teacher-forced on the manifest's fingerprint "
+                      f"({type(e).__name__}: {str(e).strip()[:200]}): it is not the model that was saved — check the base model")
+        else:
+            parity_ok = parity_diff <= cfg.parity_tolerance
+            detail = (f"max |logprob diff| {parity_diff:.3g} <= {cfg.parity_tolerance:g}" if parity_ok else
+                      f"parity failed: the reloaded artifact's teacher-forced logprobs on the manifest's fingerprint differ "
+                      f"from those recorded at save time by up to {parity_diff:.3g} (tolerance {cfg.parity_tolerance:g}): "
+                      "the model loaded from the artifact is not the model that was saved — adapter weights rescaled, "
+                      "adapter applied twice or merged, LoRA alpha/r changed, or another base model; do not ship it, "
+                      "find the step that changed the weights between training and saving")
     checks["parity"] = {"ok": parity_ok, "detail": detail}
 
     # 5. sample every prompt n times in one batch, classify every completion
@@ -356,7 +381,7 @@ def probe_checkpoint(checkpoint_uri: str, cfg, model_cfg: Optional[ModelConfig] 
         n_bad = 0
         for j, c in enumerate(group):
             reasons = classify(c.text, c.token_ids, c.finish_reason, cfg.max_tokens, format_tag=cfg.format_tag,
-                               expected_length=expected, length_factor=LENGTH_FACTOR)
+                               expected_length=expected, length_factor=cfg.length_factor)
             counts.update(reason_code(r) for r in reasons)
             n_bad += bool(reasons)
             samples.append({"prompt_index": i, "prompt": p["prompt"], "sample": j, "text": c.text, "reasons": reasons,
@@ -408,7 +433,7 @@ def probe_checkpoint(checkpoint_uri: str, cfg, model_cfg: Optional[ModelConfig] 
         "per_prompt": per_prompt,
         "samples": samples,
         "settings": {"n": cfg.n, "temperature": cfg.temperature, "max_tokens": cfg.max_tokens, "format_tag": cfg.format_tag,
-                     "expected_length": cfg.expected_length, "length_factor": LENGTH_FACTOR,
+                     "expected_length": cfg.expected_length, "length_factor": cfg.length_factor,
                      "max_malformed_rate": cfg.max_malformed_rate, "seed": cfg.seed,
                      "prompts_file": str(cfg.prompts_file or DEFAULT_PROMPTS), "engine": engine, "device": str(device)},
     }

@@ -38,7 +38,9 @@ class ProbeConfig(Section):
     temperature: float = Field(0.7, gt=0)
     max_tokens: int = Field(64, ge=1)
     format_tag: Optional[str] = Field("output", description="Completions must be wrapped in <tag>...</tag>; None disables the check.")
-    expected_length: Optional[int] = Field(None, ge=1, description="Characters a good answer takes; 'too_long' beyond 3x.")
+    expected_length: Optional[int] = Field(None, ge=1, description="Characters a good answer takes ('too_long' beyond length_factor x), "
+                                                                  "for prompts without their own expected_length; unset: the length of a prompt's answer.")
+    length_factor: float = Field(3.0, gt=1, description="'too_long' fires beyond this many times the expected length.")
     max_malformed_rate: float = Field(0.25, ge=0, le=1, description="The probe fails above this malformed rate.")
     parity_tolerance: float = Field(1e-3, gt=0, description="Max |logprob difference| between the reloaded artifact and save time.")
     every_checkpoint: bool = Field(False, description="Probe every saved checkpoint, not only the final one.")

@@ -96,6 +96,27 @@ def test_resolve_target_reads_a_report_and_refuses_other_json(tmp_path):
         resolve_target(str(tmp_path / "missing.json"))
 
 
+def test_resolve_target_reads_an_mlflow_runs_probe_report_and_metric_history(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("e", artifact_location=(tmp_path / "mlruns").as_uri())
+    run_id = client.create_run(experiment).info.run_id
+    for step in (1, 2, 3):
+        client.log_metric(run_id, "reward", 0.1 * step, step=step)
+    for step, bad in ((2, 5), (4, 1)):  # the newest probe report is the one compared
+        folder = tmp_path / f"step-{step:06d}"
+        folder.mkdir()
+        (folder / "probe_report.json").write_text(json.dumps(report(bad, 24)))
+        client.log_artifacts(run_id, str(folder), f"probe/step-{step:06d}")
+    got, history = resolve_target(run_id, tracking_uri=uri)
+    assert got["n_malformed"] == 1
+    assert [(m["step"], m["reward"]) for m in history] == [(1, 0.1), (2, 0.2), (3, pytest.approx(0.3))]
+    with pytest.raises(ValueError, match="was not found"):
+        resolve_target("0" * 32, tracking_uri=uri)
+
+
 # ── the command ────────────────────────────────────────────────────────────────────────────────────
 
 @pytest.fixture

@@ -140,6 +140,21 @@ def test_probe_without_a_model_config_loads_the_manifests_base(quickstart, tmp_p
     assert r["base_model"] == spec.model.name_or_path and r["passed"]
 
 
+def test_full_fine_tuning_checkpoint_passes(tiny_model, tmp_path):
+    from trainer.loop import GRPOTrainer
+
+    spec = load_spec(REPO / "examples" / "quickstart.yaml", [
+        f"model.name_or_path={tiny_model}", f"project_dir={tmp_path}", "lora.enabled=false", "optim.steps=2",
+        "optim.learning_rate=1e-5", "checkpoint.every=2", "grpo.num_generations=4", "grpo.prompts_per_step=2", "eval.every=0"])
+    trainer = GRPOTrainer(spec.trainer_config(), tmp_path / "run", progress=False)
+    trainer.train()
+    trainer.close()
+    ckpt = list_checkpoints(tmp_path / "run" / "checkpoints")[-1][1]
+    assert (ckpt / "model").is_dir()
+    r = probe_checkpoint(str(ckpt), SMALL_PROBE, spec.model, tmp_path / "cache", lora_cfg=spec.lora)
+    assert r["parity_ok"] and r["passed"], r["failures"]
+
+
 # ── broken the ways the field has seen ─────────────────────────────────────────────────────────────
 
 def test_adapter_weights_scaled_up_fail_parity_and_outputs(quickstart, tmp_path):

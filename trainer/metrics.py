@@ -39,7 +39,7 @@ METRICS: dict[str, str] = {
     "is/frac_old_logprobs_valid": "Share of completion tokens that had a finite old (behaviour) logprob. Below 1 means importance sampling is partly off.",
     "is/mean_importance_ratio": "Mean pi_theta / pi_old over tokens (1 on the first update of an on-policy batch).",
     "is/clip_fraction": "Share of tokens whose ratio was clipped (same as clip_ratio/region_mean).",
-    "rollout/logprob_diff_mean": "Mean |engine logprob - trainer logprob| of the sampled tokens before the update. Near 0 when the engine samples the trainer's weights.",
+    "rollout/logprob_diff_mean": "Mean |engine logprob - trainer logprob| of the sampled tokens before the update. Near 0 when the engine samples the trainer's weights. NaN when the engine returns no logprobs (vLLM with penalties or truncation, with grpo.old_logprobs: recompute).",
     "rollout/logprob_diff_max": "Max of the same. Large values mean a stale or double-applied adapter, or mismatched precision.",
     "health/ngram_repetition": "Mean share of repeated 3-grams within each completion (repetition collapse).",
     "health/unique_token_ratio": "Mean distinct/total tokens within each completion.",

@@ -52,17 +52,24 @@ from .data import arith_examples, render_prompt
 class TinyArithRecipe:
     hidden_size: int = 128
     num_attention_heads: int = 2            # head_dim = 128 / 2 = 64
-    num_layers: int = 4
+    num_layers: int = 2
     intermediate_size: int = 384
     max_position_embeddings: int = 256
-    warmup_steps: int = 300                 # tuned: T=1 exact accuracy lands in ~15-45 %
-    batch_size: int = 64
-    learning_rate: float = 3e-3
+    # warm-up: tuned so the stop below is reached after ~200-300 steps (~30 s on 2 cores)
+    warmup_steps: int = 600                 # the most steps; the warm-up usually stops earlier, see target_accuracy
+    batch_size: int = 128
+    learning_rate: float = 1e-3
     lr_warmup_steps: int = 20               # linear ramp of the learning rate, then constant
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
+    # the stop: learning the carry is a sudden transition (T=1 accuracy ~5 % -> ~80 % within ~150 steps), so
+    # rather than a step count that is right for one seed, stop once sampling at T=1 is right this often
+    target_accuracy: float = 0.25
+    check_every: int = 20
+    check_from_step: int = 100
+    check_prompts: int = 128
     data_seed: int = 12345                  # warm-up additions; distinct from the data seeds 0 / 1_000_003
-    eval_seed: int = 424242                 # held-out additions for the accuracy in ballast_build.json
+    eval_seed: int = 424242                 # held-out additions (never in the warm-up) for ballast_build.json
     eval_prompts: int = 64
     max_digits: int = 2
 
@@ -317,46 +324,62 @@ def _warmup_batch(tokenizer, examples) -> tuple[torch.Tensor, torch.Tensor, torc
     return input_ids, attention_mask, labels
 
 
-def _warm_up(model, tokenizer, recipe: TinyArithRecipe, steps: int, seed: int, progress: bool) -> float:
+def _warm_up(model, tokenizer, recipe: TinyArithRecipe, steps: int, seed: int, progress: bool,
+             held_out: list) -> dict:
+    """Supervised warm-up of all weights, stopped at `steps` or once T=1 accuracy reaches the target."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    excluded = {e.prompt for e in held_out}
+    drawn = int(steps * recipe.batch_size * 1.1) + recipe.batch_size  # room for the few held-out draws left out
+    stream = [e for e in arith_examples(drawn, seed=recipe.data_seed, max_digits=recipe.max_digits) if e.prompt not in excluded]
+    checks = arith_examples(recipe.check_prompts, seed=recipe.eval_seed + 1, max_digits=recipe.max_digits)
     torch.manual_seed(seed)
-    examples = arith_examples(steps * recipe.batch_size, seed=recipe.data_seed, max_digits=recipe.max_digits)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, weight_decay=recipe.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, recipe.lr_warmup_steps)))
-    model.train()
-    loss_value = float("nan")
+    result = {"steps": 0, "final_loss": float("nan"), "check_accuracy": None}
     bar = Progress(TextColumn("[bold]tiny-arith warm-up"), BarColumn(), MofNCompleteColumn(),
-                   TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), disable=not progress, transient=False)
+                   TextColumn("loss {task.fields[loss]:.3f}  T=1 acc {task.fields[acc]}"), TimeElapsedColumn(),
+                   disable=not progress)
     with bar:
-        task = bar.add_task("warm-up", total=steps, loss=float("nan"))
-        for step in range(steps):
+        task = bar.add_task("warm-up", total=steps, loss=float("nan"), acc="-")
+        for step in range(1, steps + 1):
+            model.train()
             input_ids, attention_mask, labels = _warmup_batch(
-                tokenizer, examples[step * recipe.batch_size:(step + 1) * recipe.batch_size])
+                tokenizer, stream[(step - 1) * recipe.batch_size:step * recipe.batch_size])
             loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
             optimizer.step()
             scheduler.step()
-            loss_value = loss.item()
-            bar.update(task, advance=1, loss=loss_value)
+            result.update(steps=step, final_loss=loss.item())
+            if step >= recipe.check_from_step and step % recipe.check_every == 0:
+                result["check_accuracy"] = _measure(model, tokenizer, checks, do_sample=True, seed=seed + step)["accuracy"]
+                bar.update(task, acc=f"{result['check_accuracy']:.2f}")
+            bar.update(task, advance=1, loss=result["final_loss"])
+            if result["check_accuracy"] is not None and result["check_accuracy"] >= recipe.target_accuracy:
+                break
     model.eval()
-    return loss_value
+    return result
 
 
 @torch.no_grad()
 def _measure(model, tokenizer, examples, do_sample: bool, seed: int) -> dict:
-    """Exact-answer accuracy and format rate (`<output>N</output>` then eos) of generate on `examples`."""
+    """Exact-answer accuracy and format rate (`<output>N</output>` then eos) of generate on `examples`.
+    Sampling is pure T=1 (no top-k/top-p) from its own seed, leaving the global RNG as it was."""
     prompts = [render_prompt(tokenizer, e.prompt) for e in examples]
     width = max(map(len, prompts))
     pad = tokenizer.pad_token_id
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    torch.manual_seed(seed)
     sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if do_sample else dict(do_sample=False)
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=32,
-                         pad_token_id=pad, eos_token_id=tokenizer.eos_token_id, **sampling)[:, width:]
+    was_training = model.training
+    model.eval()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=32,
+                             pad_token_id=pad, eos_token_id=tokenizer.eos_token_id, **sampling)[:, width:]
+    model.train(was_training)
     correct = formatted = 0
     for e, row in zip(examples, out.tolist()):
         stopped = tokenizer.eos_token_id in row
@@ -367,10 +390,12 @@ def _measure(model, tokenizer, examples, do_sample: bool, seed: int) -> dict:
     return {"accuracy": correct / len(examples), "format_rate": formatted / len(examples)}
 
 
-def _held_out(recipe: TinyArithRecipe, warmup_examples: int) -> list:
-    seen = {e.prompt for e in arith_examples(warmup_examples, seed=recipe.data_seed, max_digits=recipe.max_digits)}
-    pool = arith_examples(recipe.eval_prompts * 8, seed=recipe.eval_seed, max_digits=recipe.max_digits)
-    return [e for e in pool if e.prompt not in seen][:recipe.eval_prompts]
+def _held_out(recipe: TinyArithRecipe) -> list:
+    """The first `eval_prompts` distinct additions of eval_seed; the warm-up never trains on these."""
+    unique = {}
+    for e in arith_examples(recipe.eval_prompts * 4, seed=recipe.eval_seed, max_digits=recipe.max_digits):
+        unique.setdefault(e.prompt, e)
+    return list(unique.values())[:recipe.eval_prompts]
 
 
 def build_tiny_arith(path: str | Path, seed: int = 0, warmup_steps: int = RECIPE.warmup_steps,
@@ -389,8 +414,8 @@ def build_tiny_arith(path: str | Path, seed: int = 0, warmup_steps: int = RECIPE
         torch.manual_seed(seed)
         tokenizer = _build_tokenizer(recipe.max_position_embeddings)
         model = _build_model(tokenizer, recipe)
-        final_loss = _warm_up(model, tokenizer, recipe, warmup_steps, seed, progress)
-        held_out = _held_out(recipe, warmup_steps * recipe.batch_size)
+        held_out = _held_out(recipe)
+        warm_up = _warm_up(model, tokenizer, recipe, warmup_steps, seed, progress, held_out)
         greedy = _measure(model, tokenizer, held_out, do_sample=False, seed=seed)
         sampled = _measure(model, tokenizer, held_out, do_sample=True, seed=seed)
 
@@ -400,7 +425,8 @@ def build_tiny_arith(path: str | Path, seed: int = 0, warmup_steps: int = RECIPE
         import transformers
 
         record = {
-            "builder": "ballast tiny-arith", "seed": seed, "warmup_steps": warmup_steps, "final_loss": round(final_loss, 4),
+            "builder": "ballast tiny-arith", "seed": seed, "max_warmup_steps": warmup_steps, "warmup_steps_done": warm_up["steps"],
+            "final_loss": round(warm_up["final_loss"], 4), "stop_check_accuracy": warm_up["check_accuracy"],
             "recipe": asdict(recipe), "parameters": sum(p.numel() for p in model.parameters()),
             "held_out_prompts": len(held_out), "greedy": greedy, "sampled_t1": sampled,
             "build_seconds": round(time.perf_counter() - started, 1),

@@ -15,7 +15,7 @@ with the log's tail. It runs in its own process group, which `close()` ends with
 SIGKILL after a grace period; `close()` also runs at interpreter exit and when the trainer process
 dies (PR_SET_PDEATHSIG), so a server never outlives its trainer. The dtype defaults to the
 trainer's (`model.dtype`): fp32 on both sides makes engine and trainer logprobs agree to ~1e-5;
-a bf16 server against an fp32 trainer only to ~0.1. A server shared with the trainer's GPU is capped
+a bf16 server against an fp32 trainer only to ~7e-2. A server shared with the trainer's GPU is capped
 at --gpu-memory-utilization 0.3 unless vllm_extra_args says otherwise. With `rollout.vllm_url` the
 engine connects to a running server instead (started with the flags above; the adapter directory
 under WORKDIR must be on a filesystem the server can read).
@@ -23,7 +23,8 @@ under WORKDIR must be on a filesystem the server can read).
 The adapter lifecycle — the trap this file exists to avoid. vLLM's prefix cache keys cached KV
 blocks by (adapter name, adapter path). Overwriting an adapter directory and reloading it under the
 same name (load_inplace) keeps serving prompt states computed with the *old* weights (logprob errors
-up to 0.93 measured), and in-place loading re-reads the adapter from disk. So every
+up to 0.93 seen in the field, 3.3 in tests/test_vllm.py), and in-place loading re-reads the adapter
+from disk. So every
 `sync_weights(model, step)` writes the peft adapter to a NEW directory WORKDIR/adapters/v{step:06d}/
 (written to a temporary sibling, then renamed), loads it under a NEW name
 `ballast-<engine id>-v{step:06d}`, and only then unloads the previous version and deletes its
@@ -71,7 +72,6 @@ import threading
 import time
 import uuid
 import warnings
-import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
@@ -148,16 +148,16 @@ def server_device(rollout_device: Optional[str], trainer_device: str) -> tuple[s
 
 
 def _shares_trainer_gpu(rollout_device: Optional[str], trainer_device: str) -> bool:
-    import torch
-    trainer = torch.device("cuda" if trainer_device == "auto" and torch.cuda.is_available() else
-                           "cpu" if trainer_device == "auto" else trainer_device)
-    if trainer.type != "cuda":
-        return False
-    if rollout_device is None:
-        return True
-    kind, _ = server_device(rollout_device, trainer_device)
-    index = rollout_device[len("cuda:"):] if rollout_device.startswith("cuda:") else rollout_device
-    return kind == "cuda" and (rollout_device == "cuda" or index == str(trainer.index or 0))
+    """Whether the server would land on the GPU the trainer uses (then it gets a smaller memory share)."""
+    def first_gpu(device: str) -> Optional[str]:
+        kind, visible = server_device(device, device)
+        if kind != "cuda":
+            return None
+        if visible is None:   # inherit: the first visible GPU
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES") or "0"
+        return visible.split(",")[0].strip()
+    trainer_gpu = first_gpu(trainer_device)
+    return trainer_gpu is not None and (rollout_device is None or first_gpu(rollout_device) == trainer_gpu)
 
 
 def lora_rank_bucket(r: int) -> int:
@@ -197,7 +197,7 @@ def process_group_members(pgid: int) -> list[int]:
 
 # ── the server process ─────────────────────────────────────────────────────────────────────────────
 
-_LIVE_SERVERS: "weakref.WeakSet[VLLMServer]" = weakref.WeakSet()
+_LIVE_SERVERS: "set[VLLMServer]" = set()   # strong references: a forgotten server is still stopped at exit
 
 
 @atexit.register
