@@ -28,7 +28,8 @@ A is the reference (e.g. the last good ref), B the candidate. What happens, in o
 
 Worktrees are removed at the end; run outputs and reports stay in the work directory
 (`<project_dir>/regressions/<time>-<A>-<B>` by default). Exit status of `ballast regress`: 0 no
-regression, 1 regression, 2 bad arguments (a ref that does not exist, not exactly two refs).
+regression, 1 regression (or a ref whose training failed: the message names it and its log), 2 bad
+arguments (a ref that does not exist, not exactly two refs, an invalid spec).
 `prefect.yaml` schedules this flow nightly (deployment `ballast-regression`).
 """
 from __future__ import annotations

@@ -81,10 +81,18 @@ class Tracker:
         self.parent_run_id = run_id
         return run_id
 
+    def interrupted(self) -> None:
+        """The sweep process was stopped (Ctrl-C): its parent run says so until a resume."""
+        from tasks import lineage
+        if self.parent_run_id:
+            lineage.set_tags(self.client, self.parent_run_id, {"status": "interrupted"})
+            self.client.set_terminated(self.parent_run_id, "KILLED")
+
     def child_run(self, number: int):
         runs = self.client.search_runs(
             [self.experiment_id], max_results=5, order_by=["attributes.start_time DESC"],
-            filter_string=f"tags.`ballast.study` = '{self.study_name}' and tags.`ballast.trial_number` = '{number}'")
+            filter_string=f"tags.mlflow.parentRunId = '{self.parent_run_id}' and tags.`ballast.study` = '{self.study_name}' "
+                          f"and tags.`ballast.trial_number` = '{number}'")
         return runs[0] if runs else None
 
     def record_trial(self, study, frozen) -> None:
@@ -230,20 +238,27 @@ def sweep_flow():
     def ballast_sweep(sweep_path: str = "examples/sweep.yaml", trials: int | None = None, workers: int = 1,
                       storage: str | None = None) -> dict:
         from sweeps.space import load_sweep
-        from sweeps.study import default_storage
+        from sweeps.study import SweepWorkerError, default_storage
         sweep = load_sweep(sweep_path)
         url = storage or sweep.storage or default_storage(_project_dir(sweep))
         study, tracker = _open(sweep, url, trials, worker=0)
         _print_header(study, sweep, url, tracker)
-        if workers == 1:
-            run_worker(study, sweep, tracker)
-        elif workers > 1:
-            codes = spawn_workers(study.study_name, url, workers)
-            if any(codes):
-                print(f"worker exit codes: {codes}")
-        else:
+        if workers == 0:
             print(f"study created; join it with:  ballast sweep-worker --study {study.study_name} --storage {url}")
             return {"study": study.study_name, "storage": url, "parent_run_id": tracker.parent_run_id, "done": False}
+        try:
+            if workers == 1:
+                run_worker(study, sweep, tracker)
+            else:
+                codes = spawn_workers(study.study_name, url, workers)
+                if any(codes):
+                    print(f"worker exit codes: {codes}")
+        except SweepWorkerError:
+            summary_task(study, sweep, tracker, url)  # what the trials so far found, then the error
+            raise
+        except BaseException:
+            tracker.interrupted()
+            raise
         return summary_task(study, sweep, tracker, url)
     return ballast_sweep
 

@@ -106,12 +106,11 @@ def plot_study(study: optuna.Study, sweep: SweepSpec, out_dir: Path) -> tuple[li
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                ax = make()
-            fig = _figure_of(ax)
-            fig.set_size_inches(max(6.0, fig.get_size_inches()[0]), 4.0)
-            fig.tight_layout()
+                fig = _figure_of(make())
+                wide = 3.2 * len(sweep.space) + 1.5 if plot == "slice" else 7.0  # one panel per parameter
+                fig.set_size_inches(max(wide, fig.get_size_inches()[0]), 4.0)
             path = out_dir / f"{plot}.png"
-            fig.savefig(path, dpi=90)
+            fig.savefig(path, dpi=90, bbox_inches="tight")
             plt.close(fig)
             paths.append(path)
         except Exception as e:

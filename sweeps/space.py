@@ -131,9 +131,9 @@ class ObjectiveSpec(_Strict):
 
     @model_validator(mode="after")
     def _known_metric(self):
-        if not (self.metric == "stability" or self.metric.startswith("eval/") or is_step_metric(self.metric)):
-            raise ValueError(f"unknown metric {self.metric!r}; use eval/reward, eval/accuracy, stability, or a step metric "
-                             "(ballast metrics lists them)")
+        if not (self.metric == "stability" or is_step_metric(self.metric)):
+            raise ValueError(f"unknown metric {self.metric!r}; use eval/reward, eval/accuracy, eval/mean_length, stability, "
+                             "or a step metric (ballast metrics lists them)")
         if self.report is not None and not is_step_metric(self.report):
             raise ValueError(f"report: {self.report!r} is not a step metric (ballast metrics lists them)")
         return self
@@ -361,6 +361,7 @@ def suggest(trial, space: dict[str, ParamSpec]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------ objectives
 
 def is_step_metric(name: str) -> bool:
+    """A metric a step reports (eval/* ones too, at eval.every steps); eval/* objectives read the final eval."""
     return name in METRICS or (name.startswith("rewards/") and name.endswith("/mean"))
 
 

@@ -133,7 +133,8 @@ def make_pruner(sweep: SweepSpec) -> optuna.pruners.BasePruner:
 # ------------------------------------------------------------------------------------------ the study
 
 def open_study(sweep: SweepSpec, storage: RDBStorage, n_trials: int | None = None, worker: int = 0) -> optuna.Study:
-    """Create the sweep's study, or resume it. Stores the definition and the total on the study."""
+    """Create the sweep's study, or resume it. Stores the definition and the total (`n_trials`, else the
+    file's) on the study; workers that join read both from there."""
     import json
     if n_trials is not None and sweep.sampler.type == "grid" and n_trials > sweep.grid_size():
         raise SweepError(f"--trials {n_trials} is more than the {sweep.grid_size()} points of the grid sweep {sweep.study_name!r}")
@@ -153,8 +154,7 @@ def open_study(sweep: SweepSpec, storage: RDBStorage, n_trials: int | None = Non
     if [d.name.lower() for d in study.directions] != sweep.directions:
         raise SweepError(f"study {sweep.study_name!r} exists with directions {[d.name.lower() for d in study.directions]}, "
                          f"the sweep file asks for {sweep.directions}; name a new study")
-    if n_trials is not None or TRIALS_ATTR not in study.user_attrs:
-        study.set_user_attr(TRIALS_ATTR, int(n_trials or sweep.n_trials))
+    study.set_user_attr(TRIALS_ATTR, int(n_trials or sweep.n_trials))
     return study
 
 

@@ -1,6 +1,6 @@
 """`ballast regress` end to end on real code refs: a temporary git repository holds this project as it
 is now (uncommitted work included) at tag `good`, a documentation-only commit at `good-docs`, and a
-commit at `defect` whose checkpoint saver scales the saved LoRA B weights by 8 — a bug in-training
+commit at `defect` whose checkpoint saver scales the saved LoRA B weights by 16 — a bug in-training
 metrics cannot see. Each ref trains the same tiny spec with its own code (a worktree, a subprocess),
 every final artifact is probed by this checkout's probe, and the two sides are compared: good vs
 defect is a regression, good vs good-docs is not, and each records one MLflow comparison run.
@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,7 @@ def inject_defect(checkpoint_py: Path) -> None:
     source = checkpoint_py.read_text()
     anchor = re.search(r"^( *)model\.save_pretrained\(tmp / .*$", source, re.MULTILINE)
     assert anchor, "trainer/checkpoint.py no longer saves with `model.save_pretrained(tmp / ...)`; update the defect injection"
-    line = f"\n{anchor.group(1)}_injected_defect_scale_lora_b(tmp, 8.0)"
+    line = f"\n{anchor.group(1)}_injected_defect_scale_lora_b(tmp, 16.0)"
     checkpoint_py.write_text(source[:anchor.end()] + line + source[anchor.end():] + DEFECT)
 
 
@@ -99,20 +100,14 @@ def prefect_home(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("prefect-home")
 
 
-@pytest.fixture(autouse=True)
-def embedded_prefect(prefect_home, monkeypatch):
-    """Prefect's local ephemeral API with its state in a temporary directory."""
-    monkeypatch.delenv("PREFECT_API_URL", raising=False)
-    monkeypatch.setenv("PREFECT_HOME", str(prefect_home))
-
-
-def regress(spec_file: Path, repo: Path, work: Path, *refs: str) -> int:
-    from flows.cli import main
-
-    args = ["regress", str(spec_file), "--repo", str(repo), "--work-dir", str(work)]
+def regress(spec_file: Path, repo: Path, work: Path, prefect_home: Path, *refs: str) -> subprocess.CompletedProcess:
+    """`ballast regress` as a user runs it: its own process, Prefect's local ephemeral API (state in a temporary home)."""
+    args = [sys.executable, "-m", "flows.cli", "regress", str(spec_file), "--repo", str(repo), "--work-dir", str(work)]
     for ref in refs:
         args += ["--ref", ref]
-    return main(args)
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env["PREFECT_HOME"] = str(prefect_home)
+    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
 
 
 def mlflow_run(spec_file: Path, run_id: str):
@@ -122,15 +117,17 @@ def mlflow_run(spec_file: Path, run_id: str):
     return MlflowClient(f"sqlite:///{project}/mlflow.db").get_run(run_id)
 
 
-def test_a_ref_with_a_defect_in_the_saver_is_a_regression(repo, spec_file, tmp_path, capsys):
-    assert regress(spec_file, repo, tmp_path / "work", "good", "defect") == 1
-    out = capsys.readouterr().out
+def test_a_ref_with_a_defect_in_the_saver_is_a_regression(repo, spec_file, prefect_home, tmp_path):
+    proc = regress(spec_file, repo, tmp_path / "work", prefect_home, "good", "defect")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    out = proc.stdout
     assert out.startswith("regression: defect malformed")
     result = json.loads((tmp_path / "work" / "comparison.json").read_text())
     assert result["verdict"] == "regression"
     assert result["refs"]["a"]["commit"] == git(repo, "rev-parse", "good")
     assert result["refs"]["b"]["commit"] == git(repo, "rev-parse", "defect")
     assert result["a"]["parity_ok"] and not result["b"]["parity_ok"] and result["parity_regression"]
+    assert result["rate_regression"] and result["p_value"] < 0.01  # and its outputs are malformed far more often
     assert result["b"]["n_malformed"] > result["a"]["n_malformed"]
     assert result["a"]["n_samples"] == result["b"]["n_samples"] == 4 * 4  # 4 default prompts x n=4
     probe_b = json.loads((tmp_path / "work" / "probes" / "b-0.json").read_text())
@@ -143,9 +140,10 @@ def test_a_ref_with_a_defect_in_the_saver_is_a_regression(repo, spec_file, tmp_p
     assert not (tmp_path / "work" / "worktrees" / "a-good").exists()  # worktrees are removed
 
 
-def test_two_refs_with_the_same_trainer_are_no_regression(repo, spec_file, tmp_path, capsys):
-    assert regress(spec_file, repo, tmp_path / "work", "good", "good-docs") == 0
-    out = capsys.readouterr().out
+def test_two_refs_with_the_same_trainer_are_no_regression(repo, spec_file, prefect_home, tmp_path):
+    proc = regress(spec_file, repo, tmp_path / "work", prefect_home, "good", "good-docs")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
     assert out.startswith("no regression")
     result = json.loads((tmp_path / "work" / "comparison.json").read_text())
     assert result["a"]["parity_ok"] and result["b"]["parity_ok"]
@@ -155,8 +153,11 @@ def test_two_refs_with_the_same_trainer_are_no_regression(repo, spec_file, tmp_p
 
 
 def test_regress_refuses_bad_refs_with_exit_2(repo, spec_file, tmp_path, capsys):
-    assert regress(spec_file, repo, tmp_path / "w1", "good") == 2
+    from flows.cli import main
+
+    base = ["regress", str(spec_file), "--repo", str(repo), "--ref", "good"]
+    assert main(base + ["--work-dir", str(tmp_path / "w1")]) == 2
     assert "exactly two refs" in capsys.readouterr().err
-    assert regress(spec_file, repo, tmp_path / "w2", "good", "no-such-ref") == 2
+    assert main(base + ["--ref", "no-such-ref", "--work-dir", str(tmp_path / "w2")]) == 2
     assert "'no-such-ref' is not a commit" in capsys.readouterr().err
     assert not (tmp_path / "w2").exists()

@@ -153,6 +153,42 @@ def test_stability_is_the_closest_approach_to_a_health_threshold():
     assert stability(history, HealthConfig(kl_max=0.25, ngram_repetition_max=0.6)) == pytest.approx(2.0)
 
 
+def synthetic_study(sweep, values_of):
+    """A finished in-memory study: 4 completed trials and one pruned by the health gate."""
+    from optuna.distributions import CategoricalDistribution, FloatDistribution
+    from optuna.trial import TrialState, create_trial
+    study = optuna.create_study(directions=sweep.directions)
+    dists = {"optim.learning_rate": FloatDistribution(1e-4, 0.5, log=True), "lora.r": CategoricalDistribution([4, 8, 16])}
+    for i, (lr, r) in enumerate([(1e-3, 4), (3e-3, 8), (1e-2, 16), (3e-4, 8)]):
+        study.add_trial(create_trial(params={"optim.learning_rate": lr, "lora.r": r}, distributions=dists, values=values_of(i),
+                                     user_attrs={"last_step": 8}))
+    study.add_trial(create_trial(state=TrialState.PRUNED, params={"optim.learning_rate": 0.4, "lora.r": 4}, distributions=dists,
+                                 user_attrs={"last_step": 3, "pruned_by": "health_gate", "prune_reason": "collapsed: kl=3 > 1"}))
+    return study
+
+
+@pytest.mark.parametrize("objectives", [1, 2])
+def test_summary_names_the_best_trial_or_pareto_set_and_draws_the_plots(tiny_model, tmp_path, objectives):
+    from sweeps.report import plot_study, summarize
+    from sweeps.space import load_sweep
+    fields = {"objectives": [{"metric": "eval/reward"}, {"metric": "stability", "direction": "minimize"}][:objectives]}
+    if objectives == 2:
+        fields["pruner"] = {"type": "none"}
+    sweep = load_sweep(sweep_file(tmp_path / "s.yaml", tiny_model, tmp_path / "p", **fields))
+    study = synthetic_study(sweep, lambda i: [0.1 * (i + 1), [0.9, 0.05, 0.5, 0.1][i]][:objectives])
+    s = summarize(study, sweep)
+    assert s["states"] == {"COMPLETE": 4, "PRUNED": 1} and s["trial_steps"] == 35 and s["pruned_by_health_gate"] == 1
+    if objectives == 1:
+        assert s["best"]["number"] == 3 and s["best"]["values"] == {"eval/reward": pytest.approx(0.4)}
+        assert set(s["importances"]["eval/reward"]) == {"optim.learning_rate", "lora.r"}
+    else:
+        assert sorted(r["number"] for r in s["pareto"]) == [1, 3]  # (0.2, 0.05) and (0.4, 0.1): nothing beats them on both
+    plots, skipped = plot_study(study, sweep, tmp_path / "plots")
+    names = {p.stem for p in plots}
+    assert {"optimization_history", "parallel_coordinate", "slice"} <= names, skipped
+    assert ("pareto_front" in names) == (objectives == 2)
+
+
 # ── a sweep end to end ─────────────────────────────────────────────────────────────────────────────
 
 @pytest.fixture(scope="module")
@@ -246,7 +282,7 @@ def test_a_changed_sweep_definition_is_refused_for_an_existing_study(finished_sw
 
 def test_a_worker_killed_mid_trial_leaves_an_uncounted_trial_and_the_sweep_completes(tiny_model, tmp_path, prefect_api):
     project = tmp_path / "project"
-    path = sweep_file(tmp_path / "sweep.yaml", tiny_model, project, trials=1,
+    path = sweep_file(tmp_path / "sweep.yaml", tiny_model, project, trials=1, overrides={"optim.steps": 12},  # time to kill it
                       space={"optim.learning_rate": {"type": "categorical", "choices": [HEALTHY_LR]}})
     assert ballast("sweep", path, "--workers", 0) == 0  # the study and parent run only
     env = dict(os.environ, PREFECT_API_URL=prefect_api)
@@ -260,7 +296,7 @@ def test_a_worker_killed_mid_trial_leaves_an_uncounted_trial_and_the_sweep_compl
             if trials and trials[0].intermediate_values:
                 break
             assert worker.poll() is None, worker.stderr.read().decode()[-3000:]
-            time.sleep(0.5)
+            time.sleep(0.2)
         else:
             pytest.fail("the worker never started training")
     finally:

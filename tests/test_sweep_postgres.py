@@ -48,7 +48,7 @@ def test_two_workers_on_postgres_complete_a_study_without_duplicated_or_lost_tri
     from flows.cli import main
     project = tmp_path / "project"
     base = tiny_spec(tiny_model, name="pg-sweep", project_dir=str(project), probe={"enabled": False},
-                     optim={"steps": 2, "learning_rate": 1e-3}, checkpoint={"every": 100, "keep_last": 1})
+                     optim={"steps": 6, "learning_rate": 1e-3}, checkpoint={"every": 100, "keep_last": 1})
     sweep = {"study": "pg-sweep", "base": base, "trials": N_TRIALS, "sampler": {"type": "random"}, "pruner": {"type": "none"},
              "space": {"optim.learning_rate": {"type": "float", "low": 1e-4, "high": 3e-3, "log": True},
                        "lora.r": {"type": "categorical", "choices": [4, 8]}}}

@@ -14,15 +14,22 @@ checkpoint, built here without a model hub. Choices:
   `</s>`. Padding is on the left (what batched generation needs).
   `tokenizer_config.json` names `PreTrainedTokenizerFast` and carries the chat template, so a
   transformers 4.x environment (the separate vLLM one) loads it too.
-- Model: Llama, hidden 128, 2 heads of head_dim 64 (vLLM's CPU attention needs 64), 4 layers, MLP 384,
-  256 positions, untied embeddings — about 1M parameters, so a GRPO step takes well under a second on CPU.
+- Model: Llama, hidden 128, 2 heads of head_dim 64 (vLLM's CPU attention needs 64), 2 layers, MLP 384,
+  256 positions, untied embeddings — about 0.5M parameters, so a GRPO step takes well under a second on CPU.
 - Warm-up: random weights would never produce `<output>..</output>`, and a model that always answers
   right gives GRPO nothing to learn. So the build fine-tunes all weights briefly (AdamW, CPU, seeded) on
   additions from `arith_examples(seed=12345)` — a seed distinct from the training (0) and eval
-  (1_000_003) data seeds — with the loss on the answer `<output>{sum}</output></s>` only. The recipe is
-  tuned so that sampling at temperature 1 almost always gives the format and stops, and gets roughly a
-  third of 2-digit sums right: room for GRPO to raise the reward, and reward variance within groups.
-  The measured result is written to `ballast_build.json` next to the weights.
+  (1_000_003) data seeds — with the loss on the answer `<output>{sum}</output></s>` only.
+  Learning the carry is a sudden transition (T=1 accuracy goes from ~5 % to ~80 % within ~150 steps, at a
+  step that depends on the seed), so a fixed step count would give 0 % for one seed and 80 % for another.
+  The warm-up instead stops when the *expected* T=1 accuracy — the mean probability of the whole right
+  answer, which each training batch's forward pass gives for free — reaches `target_accuracy` (25 %).
+  That happens after ~250-320 steps, ~30 s on 2 idle cores. Sampled at T=1 the result answers ~25-30 %
+  of 2-digit sums right and ~95 % of completions are well formed and end with eos (the misses are stray
+  bytes from the vocabulary's tail): room for GRPO to raise the reward, and reward variance in groups.
+  The result, measured on 64 additions the warm-up never saw (greedy; 4 samples each at T=1; and the
+  expected T=1 accuracy), is written to `ballast_build.json`.
+- Deterministic for a seed (same weights, same bytes), on the same torch build and thread count.
 - Atomic: the build writes a temporary sibling directory and renames it into place, so a killed build
   never leaves a half model at the path.
 
@@ -37,6 +44,7 @@ import re
 import shutil
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -55,22 +63,21 @@ class TinyArithRecipe:
     num_layers: int = 2
     intermediate_size: int = 384
     max_position_embeddings: int = 256
-    # warm-up: tuned so the stop below is reached after ~200-300 steps (~30 s on 2 cores)
+    # warm-up: tuned so the stop below is reached after ~250-320 steps (~30 s on 2 idle cores)
     warmup_steps: int = 600                 # the most steps; the warm-up usually stops earlier, see target_accuracy
     batch_size: int = 128
     learning_rate: float = 1e-3
     lr_warmup_steps: int = 20               # linear ramp of the learning rate, then constant
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
-    # the stop: learning the carry is a sudden transition (T=1 accuracy ~5 % -> ~80 % within ~150 steps), so
-    # rather than a step count that is right for one seed, stop once sampling at T=1 is right this often
+    # the stop (see the module docstring): expected T=1 accuracy of the training batches, averaged over the
+    # last `stop_window` steps, reaches target_accuracy
     target_accuracy: float = 0.25
-    check_every: int = 20
-    check_from_step: int = 100
-    check_prompts: int = 128
+    stop_window: int = 5
     data_seed: int = 12345                  # warm-up additions; distinct from the data seeds 0 / 1_000_003
     eval_seed: int = 424242                 # held-out additions (never in the warm-up) for ballast_build.json
     eval_prompts: int = 64
+    eval_samples: int = 4                   # T=1 completions per held-out prompt (one draw per prompt is too noisy)
     max_digits: int = 2
 
 
@@ -87,7 +94,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 ANSWER_RE = re.compile(r"^<output>(\d+)</output>$")
-HUB_ID_RE = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+HUB_ID_RE = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # 'name' or 'org/name'; anything else is a path
 BUILD_RECORD = "ballast_build.json"
 
 
@@ -103,28 +110,43 @@ def resolve_device(name: str) -> torch.device:
         raise ValueError(f"model.device={name!r} is not a device ('auto', 'cpu', 'cuda', 'cuda:0', ...): {e}") from None
 
 
-def _not_found(name_or_path: str) -> ValueError:
+def _not_found(name_or_path: str, cause: Exception | None = None) -> ValueError:
+    why = f" ({type(cause).__name__}: {str(cause).strip().splitlines()[0][:200]})" if cause and str(cause).strip() else ""
     return ValueError(
         f"model.name_or_path={name_or_path!r} is neither a local directory nor a model in the local Hugging Face "
         "cache (offline: nothing can be downloaded); build the tiny model with model.build_if_missing: tiny-arith "
-        "or point to a downloaded model directory")
-
-
-def _looks_like_path(name_or_path: str) -> bool:
-    """A hub id is 'name' or 'org/name'; anything else (absolute, ./, ~, deeper) can only be a filesystem path."""
-    return not HUB_ID_RE.fullmatch(name_or_path)
+        f"or point to a downloaded model directory{why}")
 
 
 def _check_source(name_or_path: str) -> None:
-    """Fail fast, with the fix, on a path that cannot be loaded (before from_pretrained tries the hub)."""
+    """Fail fast, with the fix, on a path that cannot be loaded, before from_pretrained tries the hub.
+    A hub id is 'name' or 'org/name'; anything else (absolute, ./, ~, deeper) can only be a local path."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"model.name_or_path={name_or_path!r} is a directory without config.json; point it to a "
                              "Hugging Face model directory, or to a new path with model.build_if_missing: tiny-arith")
         return
-    if path.exists() or _looks_like_path(name_or_path):
+    if path.exists() or not HUB_ID_RE.fullmatch(name_or_path):
         raise _not_found(name_or_path)
+
+
+def _from_pretrained(auto_class, name_or_path: str, **kwargs):
+    """auto_class.from_pretrained, with a failure to find or fetch the model turned into the one-line ValueError.
+    (Offline, a hub id that is not cached fails inside huggingface_hub with an OSError or a RuntimeError.)"""
+    _check_source(name_or_path)
+    try:
+        return auto_class.from_pretrained(name_or_path, **kwargs)
+    except (OSError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and (Path(name_or_path).expanduser().is_dir() or _in_hf_cache(name_or_path)):
+            raise  # the model is here; this is a real loading error, not a missing model
+        raise _not_found(name_or_path, None if Path(name_or_path).expanduser().is_dir() else e) from None
+
+
+def _in_hf_cache(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
 
 
 def load_tokenizer(name_or_path: str | Path):
@@ -132,11 +154,7 @@ def load_tokenizer(name_or_path: str | Path):
     from transformers import AutoTokenizer
 
     name_or_path = str(name_or_path)
-    _check_source(name_or_path)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-    except OSError:
-        raise _not_found(name_or_path) from None
+    tokenizer = _from_pretrained(AutoTokenizer, name_or_path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
@@ -146,7 +164,7 @@ def load_tokenizer(name_or_path: str | Path):
 
 
 def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, adapter_path: str | None = None,
-                trainable: bool = True):
+                trainable: bool = True) -> tuple:
     """(model, tokenizer): the base model on its device, wrapped with a new LoRA adapter, or with the one saved
     at `adapter_path`. With lora disabled the whole model is the policy (full fine-tuning).
     `trainable=False` gives a frozen model in eval mode (reference, probe, eval)."""
@@ -155,11 +173,8 @@ def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, adapter_path: str 
     name_or_path = ensure_model(model_cfg)
     device = resolve_device(model_cfg.device)
     tokenizer = load_tokenizer(name_or_path)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=getattr(torch, model_cfg.dtype),
-                                                     trust_remote_code=model_cfg.trust_remote_code)
-    except OSError:
-        raise _not_found(name_or_path) from None
+    model = _from_pretrained(AutoModelForCausalLM, name_or_path, dtype=getattr(torch, model_cfg.dtype),
+                             trust_remote_code=model_cfg.trust_remote_code)
     model.to(device)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -309,7 +324,7 @@ def _build_model(tokenizer, recipe: TinyArithRecipe):
     return model
 
 
-def _warmup_batch(tokenizer, examples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _answer_batch(tokenizer, examples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded (input_ids, attention_mask, labels) with labels only on the answer and eos."""
     rows = []
     for e in examples:
@@ -324,40 +339,55 @@ def _warmup_batch(tokenizer, examples) -> tuple[torch.Tensor, torch.Tensor, torc
     return input_ids, attention_mask, labels
 
 
+def _answer_logprobs(model, input_ids, attention_mask, labels) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token logprobs of the labelled (answer) tokens, zero elsewhere, and the mask of those tokens."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    targets, mask = labels[:, 1:], labels[:, 1:] != -100
+    token_logprobs = torch.log_softmax(logits, -1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
+    return token_logprobs * mask, mask
+
+
+@torch.no_grad()
+def _expected_accuracy(model, tokenizer, examples) -> float:
+    """Mean probability of the whole right answer: the exact accuracy of T=1 sampling, in expectation."""
+    token_logprobs, _ = _answer_logprobs(model, *_answer_batch(tokenizer, examples))
+    return token_logprobs.sum(-1).exp().mean().item()
+
+
 def _warm_up(model, tokenizer, recipe: TinyArithRecipe, steps: int, seed: int, progress: bool,
              held_out: list) -> dict:
-    """Supervised warm-up of all weights, stopped at `steps` or once T=1 accuracy reaches the target."""
+    """Supervised warm-up of all weights, for `steps` or until the expected T=1 accuracy reaches the target."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     excluded = {e.prompt for e in held_out}
     drawn = int(steps * recipe.batch_size * 1.1) + recipe.batch_size  # room for the few held-out draws left out
     stream = [e for e in arith_examples(drawn, seed=recipe.data_seed, max_digits=recipe.max_digits) if e.prompt not in excluded]
-    checks = arith_examples(recipe.check_prompts, seed=recipe.eval_seed + 1, max_digits=recipe.max_digits)
     torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, weight_decay=recipe.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, recipe.lr_warmup_steps)))
-    result = {"steps": 0, "final_loss": float("nan"), "check_accuracy": None}
-    bar = Progress(TextColumn("[bold]tiny-arith warm-up"), BarColumn(), MofNCompleteColumn(),
-                   TextColumn("loss {task.fields[loss]:.3f}  T=1 acc {task.fields[acc]}"), TimeElapsedColumn(),
-                   disable=not progress)
+    recent: list[float] = []
+    result = {"steps": 0, "final_loss": float("nan"), "expected_accuracy": 0.0}
+    bar = Progress(TextColumn("[bold]warm-up"), BarColumn(bar_width=20), MofNCompleteColumn(),
+                   TextColumn("loss {task.fields[loss]:.3f}  p(right) {task.fields[acc]:.2f}"
+                              f"/{recipe.target_accuracy:.2f}"), TimeElapsedColumn(), disable=not progress)
+    model.train()
     with bar:
-        task = bar.add_task("warm-up", total=steps, loss=float("nan"), acc="-")
+        task = bar.add_task("warm-up", total=steps, loss=float("nan"), acc=0.0)
         for step in range(1, steps + 1):
-            model.train()
-            input_ids, attention_mask, labels = _warmup_batch(
+            input_ids, attention_mask, labels = _answer_batch(
                 tokenizer, stream[(step - 1) * recipe.batch_size:step * recipe.batch_size])
-            loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+            token_logprobs, mask = _answer_logprobs(model, input_ids, attention_mask, labels)
+            loss = -token_logprobs.sum() / mask.sum()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
             optimizer.step()
             scheduler.step()
-            result.update(steps=step, final_loss=loss.item())
-            if step >= recipe.check_from_step and step % recipe.check_every == 0:
-                result["check_accuracy"] = _measure(model, tokenizer, checks, do_sample=True, seed=seed + step)["accuracy"]
-                bar.update(task, acc=f"{result['check_accuracy']:.2f}")
-            bar.update(task, advance=1, loss=result["final_loss"])
-            if result["check_accuracy"] is not None and result["check_accuracy"] >= recipe.target_accuracy:
+            recent = (recent + [token_logprobs.detach().sum(-1).exp().mean().item()])[-recipe.stop_window:]
+            result.update(steps=step, final_loss=loss.item(), expected_accuracy=sum(recent) / len(recent))
+            bar.update(task, advance=1, loss=result["final_loss"], acc=result["expected_accuracy"])
+            if len(recent) == recipe.stop_window and result["expected_accuracy"] >= recipe.target_accuracy:
+                bar.update(task, total=step)  # reached the target: the bar ends full
                 break
     model.eval()
     return result
@@ -398,6 +428,21 @@ def _held_out(recipe: TinyArithRecipe) -> list:
     return list(unique.values())[:recipe.eval_prompts]
 
 
+@contextmanager
+def _hf_progress_bars(enabled: bool):
+    """Turn transformers' own progress bars (e.g. "Writing model shards") off inside the block when not enabled."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if not enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def build_tiny_arith(path: str | Path, seed: int = 0, warmup_steps: int = RECIPE.warmup_steps,
                      progress: bool = True) -> Path:
     """Build the tiny Llama + byte tokenizer offline, warm it up on additions, and save it as a Hugging Face
@@ -417,25 +462,34 @@ def build_tiny_arith(path: str | Path, seed: int = 0, warmup_steps: int = RECIPE
         held_out = _held_out(recipe)
         warm_up = _warm_up(model, tokenizer, recipe, warmup_steps, seed, progress, held_out)
         greedy = _measure(model, tokenizer, held_out, do_sample=False, seed=seed)
-        sampled = _measure(model, tokenizer, held_out, do_sample=True, seed=seed)
+        sampled = _measure(model, tokenizer, held_out * recipe.eval_samples, do_sample=True, seed=seed)
+        sampled["expected_accuracy"] = round(_expected_accuracy(model, tokenizer, held_out), 4)
 
         tmp.mkdir()
-        model.save_pretrained(tmp)
+        with _hf_progress_bars(progress):
+            model.save_pretrained(tmp)
         _save_tokenizer(tokenizer, tmp)
         import transformers
 
         record = {
             "builder": "ballast tiny-arith", "seed": seed, "max_warmup_steps": warmup_steps, "warmup_steps_done": warm_up["steps"],
-            "final_loss": round(warm_up["final_loss"], 4), "stop_check_accuracy": warm_up["check_accuracy"],
+            "final_loss": round(warm_up["final_loss"], 4),
+            "expected_accuracy_at_stop": round(warm_up["expected_accuracy"], 4),
             "recipe": asdict(recipe), "parameters": sum(p.numel() for p in model.parameters()),
-            "held_out_prompts": len(held_out), "greedy": greedy, "sampled_t1": sampled,
+            "held_out_prompts": len(held_out), "greedy": greedy,
+            "sampled_t1": {"samples_per_prompt": recipe.eval_samples, **sampled},
             "build_seconds": round(time.perf_counter() - started, 1),
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         }
         (tmp / BUILD_RECORD).write_text(json.dumps(record, indent=2) + "\n")
-        if path.is_dir():
-            path.rmdir()  # an empty directory is replaced; rmdir refuses a non-empty one
-        os.rename(tmp, path)
+        try:
+            if path.is_dir():
+                path.rmdir()  # an empty directory is replaced; rmdir refuses a non-empty one
+            os.rename(tmp, path)
+        except OSError:
+            if not (path / "config.json").is_file():
+                raise
+            # another process built the same model meanwhile: keep its directory, drop ours
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path

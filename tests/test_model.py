@@ -1,0 +1,209 @@
+"""trainer/model.py: the offline tiny model loads like any Hugging Face model; LoRA policies, adapters,
+identity and fingerprints behave; bad paths fail with the fix in the message.
+
+The model is built once for the module with a short warm-up (these tests check mechanics, not accuracy;
+the full recipe's accuracy is recorded in each build's ballast_build.json).
+"""
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trainer.config import LoraConfig, ModelConfig
+from trainer.data import render_prompt
+from trainer.model import (BUILD_RECORD, build_tiny_arith, compare_fingerprint, ensure_model, load_policy,
+                           load_tokenizer, logprob_fingerprint, model_identity, resolve_device)
+
+CPU = torch.device("cpu")
+LORA = LoraConfig(r=4, alpha=8)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_arith(tmp_path_factory.mktemp("tiny") / "model", seed=0, warmup_steps=30, progress=False)
+
+
+def model_cfg(path) -> ModelConfig:
+    return ModelConfig(name_or_path=str(path), device="cpu")
+
+
+def perturb_lora(model, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+
+
+def logits(model, tokenizer) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([render_prompt(tokenizer, "23+58")])).logits
+
+
+# ── the built directory is an ordinary Hugging Face model ──────────────────────────────────────────
+
+def test_build_writes_a_hugging_face_directory_and_its_record(tiny):
+    names = {p.name for p in tiny.iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json", BUILD_RECORD} <= names
+    record = json.loads((tiny / BUILD_RECORD).read_text())
+    assert record["seed"] == 0 and record["max_warmup_steps"] == 30 and 1 <= record["warmup_steps_done"] <= 30
+    assert record["held_out_prompts"] == 64
+    assert {"accuracy", "format_rate"} <= set(record["greedy"]) and {"accuracy", "format_rate"} <= set(record["sampled_t1"])
+
+
+def test_loads_through_auto_classes_with_llama_head_dim_64(tiny):
+    model = AutoModelForCausalLM.from_pretrained(tiny)
+    assert model.config.model_type == "llama"
+    assert model.config.head_dim == 64 == model.config.hidden_size // model.config.num_attention_heads
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    assert model.config.vocab_size == len(tokenizer)
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id
+
+
+def test_tokenizer_pads_left_and_has_pad_bos_eos(tiny):
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    assert tokenizer.padding_side == "left"
+    assert (tokenizer.pad_token, tokenizer.bos_token, tokenizer.eos_token) == ("<pad>", "<s>", "</s>")
+    assert len({tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id}) == 3
+    batch = tokenizer(["1+1", "10+10"], padding=True)
+    assert batch["attention_mask"][0][:2] == [0, 0] and batch["input_ids"][0][0] == tokenizer.pad_token_id
+
+
+def test_chat_template_renders_user_turn_generation_prompt_and_eos(tiny):
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    user = [{"role": "user", "content": "23+58"}]
+    assert tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=False) == "<s><|user|>23+58<|assistant|>"
+    turn = user + [{"role": "assistant", "content": "<output>81</output>"}]
+    assert tokenizer.apply_chat_template(turn, tokenize=False) == "<s><|user|>23+58<|assistant|><output>81</output></s>"
+    ids = render_prompt(tokenizer, "23+58")
+    assert ids[0] == tokenizer.bos_token_id and len(ids) == 1 + 1 + len("23+58") + 1
+
+
+def test_decode_round_trips_ascii_byte_for_byte(tiny):
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    for text in ["12+7=19 <output>19</output>", "  spaces\tand\nnewlines  ", "".join(map(chr, range(32, 127)))]:
+        ids = tokenizer.encode(text)
+        assert len(ids) == len(text.encode())
+        assert tokenizer.decode(ids, skip_special_tokens=True) == text
+
+
+# ── policies and adapters ──────────────────────────────────────────────────────────────────────────
+
+def test_lora_policy_trains_only_lora_weights(tiny):
+    model, tokenizer = load_policy(model_cfg(tiny), LORA)
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in name for name in trainable)
+    assert tokenizer.padding_side == "left" and next(model.parameters()).device == CPU
+
+
+def test_frozen_policy_has_no_trainable_weights_and_is_in_eval_mode(tiny):
+    model, _ = load_policy(model_cfg(tiny), LORA, trainable=False)
+    assert not any(p.requires_grad for p in model.parameters()) and not model.training
+
+
+def test_full_fine_tuning_policy_trains_every_weight(tiny):
+    model, _ = load_policy(model_cfg(tiny), LoraConfig(enabled=False))
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_saved_adapter_reloads_with_identical_logits(tiny, tmp_path):
+    model, tokenizer = load_policy(model_cfg(tiny), LORA)
+    perturb_lora(model, seed=1)
+    model.save_pretrained(tmp_path / "adapter")
+    reloaded, _ = load_policy(model_cfg(tiny), LORA, adapter_path=str(tmp_path / "adapter"), trainable=False)
+    model.eval()
+    assert torch.equal(logits(model, tokenizer), logits(reloaded, tokenizer))
+
+
+def test_adapter_dir_without_adapter_config_is_refused_by_name(tiny, tmp_path):
+    with pytest.raises(ValueError, match=r"adapter_path='.*empty-adapter' holds no adapter_config.json"):
+        load_policy(model_cfg(tiny), LORA, adapter_path=str(tmp_path / "empty-adapter"))
+
+
+# ── identity and fingerprint ───────────────────────────────────────────────────────────────────────
+
+def test_fingerprint_is_stable_across_reloads(tiny):
+    model, tokenizer = load_policy(model_cfg(tiny), LORA)
+    fingerprint = logprob_fingerprint(model, tokenizer, CPU)
+    assert len(fingerprint["token_ids"]) == 32 and len(fingerprint["logprobs"]) == 31
+    assert fingerprint["token_ids"][0] == tokenizer.bos_token_id
+    reloaded, reloaded_tokenizer = load_policy(model_cfg(tiny), LORA, trainable=False)
+    assert logprob_fingerprint(reloaded, reloaded_tokenizer, CPU)["token_ids"] == fingerprint["token_ids"]
+    assert compare_fingerprint(reloaded, reloaded_tokenizer, CPU, fingerprint) <= 1e-6
+    assert model.training, "the fingerprint leaves the model's train/eval mode as it found it"
+
+
+def test_fingerprint_changes_when_the_adapter_changes(tiny):
+    model, tokenizer = load_policy(model_cfg(tiny), LORA)
+    fingerprint = logprob_fingerprint(model, tokenizer, CPU)
+    perturb_lora(model, seed=2)
+    assert compare_fingerprint(model, tokenizer, CPU, fingerprint) > 1e-3
+
+
+def test_model_identity_hashes_config_and_weights(tiny):
+    identity = model_identity(model_cfg(tiny))
+    assert identity["name_or_path"] == str(tiny)
+    assert len(identity["config_sha256"]) == 16 and list(identity["weights_sha256"]) == ["model.safetensors"]
+    assert model_identity(model_cfg(tiny)) == identity
+    assert model_identity(ModelConfig(name_or_path="org/some-hub-model")) == {"name_or_path": "org/some-hub-model"}
+
+
+# ── building: deterministic, atomic, on demand ─────────────────────────────────────────────────────
+
+def test_build_is_deterministic_for_a_seed_and_differs_across_seeds(tmp_path):
+    a, b, c = (build_tiny_arith(tmp_path / name, seed=seed, warmup_steps=2, progress=False)
+               for name, seed in [("a", 0), ("b", 0), ("c", 1)])
+    hashes = [model_identity(model_cfg(p))["weights_sha256"] for p in (a, b, c)]
+    assert hashes[0] == hashes[1] != hashes[2]
+
+
+def test_build_is_atomic_and_leaves_no_temporary_directory(tiny):
+    assert [p.name for p in tiny.parent.iterdir()] == ["model"]
+
+
+def test_build_refuses_a_non_empty_directory(tmp_path):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="exists and is not an empty directory"):
+        build_tiny_arith(tmp_path / "taken", warmup_steps=1, progress=False)
+    assert [p.name for p in tmp_path.iterdir()] == ["taken"]
+
+
+def test_ensure_model_builds_only_when_missing(tmp_path, monkeypatch):
+    built = []
+
+    def short_build(path, **kwargs):
+        built.append(path)
+        return build_tiny_arith(path, warmup_steps=1, progress=False)
+
+    monkeypatch.setattr("trainer.model.build_tiny_arith", short_build)
+    cfg = ModelConfig(name_or_path=str(tmp_path / "m"), build_if_missing="tiny-arith")
+    assert ensure_model(cfg) == cfg.name_or_path and (tmp_path / "m" / "config.json").is_file()
+    assert ensure_model(cfg) == cfg.name_or_path and len(built) == 1
+    assert ensure_model(ModelConfig(name_or_path=str(tmp_path / "other"))) == str(tmp_path / "other")
+    assert len(built) == 1 and not (tmp_path / "other").exists()
+
+
+# ── errors and devices ─────────────────────────────────────────────────────────────────────────────
+
+def test_missing_path_is_a_value_error_that_says_how_to_fix_it(tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(ValueError, match=r"model.name_or_path='.*no-such-model' is neither a local directory .*"
+                                         r"build_if_missing: tiny-arith or point to a downloaded model directory"):
+        load_policy(model_cfg(missing), LORA)
+    with pytest.raises(ValueError, match="is neither a local directory"):
+        load_tokenizer(missing)
+
+
+def test_directory_without_config_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="is a directory without config.json"):
+        load_tokenizer(tmp_path)
+
+
+def test_resolve_device():
+    assert resolve_device("cpu") == CPU
+    assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="model.device='gpu0' is not a device"):
+        resolve_device("gpu0")
