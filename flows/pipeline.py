@@ -147,8 +147,11 @@ def run_pipeline(spec, resume_run_id: str | None = None, extra_callbacks=(), pro
             client.log_metric(sid, "trainer_seconds", outcome.trainer_seconds)
             client.log_metric(sid, "last_step", outcome.last_step)
         sink.close()
+        rewards = [m["reward"] for m in outcome.history]
         summary.update(last_step=outcome.last_step, stopped=outcome.stopped, history=outcome.history,
-                       trainer_seconds=outcome.trainer_seconds)
+                       trainer_seconds=outcome.trainer_seconds,
+                       reward_first5=_mean(rewards[:5]), reward_last5=_mean(rewards[-5:]),
+                       eval_start={k: v for k, v in (outcome.eval_start or {}).items() if k != "step"})
         if outcome.stopped:
             lineage.set_tags(client, run_id, {"stop_reason": outcome.stopped})
 
@@ -199,12 +202,13 @@ def run_pipeline(spec, resume_run_id: str | None = None, extra_callbacks=(), pro
         summary["seconds"] = time.perf_counter() - t_start
         plots = lineage.plot_history(outcome.history, output_dir / "plots")
         client.log_artifacts(run_id, str(output_dir / "plots"), "plots")
-        first5 = [m["reward"] for m in outcome.history[:5]]
-        last5 = [m["reward"] for m in outcome.history[-5:]]
+        before = summary["eval_start"]
         table = {"run id": run_id, "status": status, "steps": outcome.last_step, "stop reason": outcome.stopped or "",
-                 "reward, first 5 steps": f"{sum(first5) / max(len(first5), 1):.3f}",
-                 "reward, last 5 steps": f"{sum(last5) / max(len(last5), 1):.3f}",
-                 **{k: f"{v:.3f}" for k, v in eval_metrics.items()}, "final checkpoint": final_uri,
+                 "reward, first 5 steps": f"{summary['reward_first5'] or 0:.3f}",
+                 "reward, last 5 steps": f"{summary['reward_last5'] or 0:.3f}",
+                 **{k + (", before → after" if k in before else ""): (f"{before[k]:.3f} → " if k in before else "") + f"{v:.3f}"
+                    for k, v in eval_metrics.items()},
+                 "final checkpoint": final_uri,
                  "forked from": f"{source.parent_run_id or source.checkpoint_uri} step {source.parent_step}" if source.checkpoint_uri else "base model"}
         (output_dir / "report.html").write_text(lineage.html_report(f"Ballast run {spec.name}", table, plots, report))
         client.log_artifact(run_id, str(output_dir / "report.html"))
@@ -222,6 +226,10 @@ def run_pipeline(spec, resume_run_id: str | None = None, extra_callbacks=(), pro
         if isinstance(e, StageError):
             raise
         raise StageError("pipeline", e) from e
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
 
 
 def _resume_source(client, run_id: str):
@@ -289,17 +297,15 @@ def _spec_of_run(run_id: str, spec_path: str | None, project_dir: str):
 def _print_summary(spec, s: dict) -> None:
     from tasks.lineage import tracking_uri
     from rich.console import Console
-    c = Console()
-    hist = s.get("history") or []
+    c = Console(soft_wrap=True, highlight=False)  # paths and commands stay whole, for copying
     c.rule(f"[bold]Ballast run {s['run_id']}: {s['status']}")
-    if hist:
-        first = [m["reward"] for m in hist[:5]]
-        last = [m["reward"] for m in hist[-5:]]
-        c.print(f"reward: first 5 steps {sum(first) / len(first):.3f} → last 5 steps {sum(last) / len(last):.3f}")
+    if s.get("reward_first5") is not None:
+        c.print(f"reward (training batches): first 5 steps {s['reward_first5']:.3f} → last 5 steps {s['reward_last5']:.3f}")
     if s.get("stopped"):
         c.print(f"[red]stopped: {s['stopped']}")
+    before = s.get("eval_start") or {}
     for k, v in (s.get("eval") or {}).items():
-        c.print(f"{k}: {v:.3f}")
+        c.print(f"{k} (held out): " + (f"{before[k]:.3f} before training → " if k in before else "") + f"{v:.3f}")
     if s.get("probe"):
         p = s["probe"]
         c.print(f"probe: {p['n_malformed']}/{p['n_samples']} malformed, parity {'ok' if p['parity_ok'] else 'FAILED'} → "

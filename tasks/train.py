@@ -47,6 +47,7 @@ class TrainOutcome:
     history: list[dict] = field(default_factory=list)
     trainer_seconds: float = 0.0
     upload_errors: list[str] = field(default_factory=list)
+    eval_start: dict | None = None
 
 
 def run_training(spec, output_dir: Path, callbacks: LineageCallbacks, fork_source=None, resume: bool = False,
@@ -69,6 +70,7 @@ def run_training(spec, output_dir: Path, callbacks: LineageCallbacks, fork_sourc
         result = trainer.train(spec.optim.steps)
     finally:
         trainer.close()
-    history = earlier + result.history if resume else result.history
+    eval_start = result.eval_start or next((m for m in earlier if m["step"] == 0), None)
+    history = [m for m in earlier if m["step"] > 0] + result.history if resume else result.history
     return TrainOutcome(Path(output_dir), result.last_step, result.stopped, result.last_checkpoint, history,
-                        sum(m.get("step_time", 0.0) for m in result.history), list(callbacks.upload_errors))
+                        sum(m.get("step_time", 0.0) for m in result.history), list(callbacks.upload_errors), eval_start)

@@ -311,3 +311,38 @@ def test_default_health_gate_stops_a_run_that_collapses(tiny_model, tmp_path):
 def test_default_health_gate_lets_a_healthy_run_finish(straight_run):
     steps = [m["step"] for m in read_jsonl(straight_run / "metrics.jsonl")]
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+# ------------------------------------------------------------------------------------------ the quickstart learns
+
+def test_quickstart_raises_reward_and_held_out_accuracy_and_the_gate_lets_it_finish(tiny_model, tmp_path):
+    """examples/quickstart.yaml as shipped (only the model path changed): the sampled reward of the last five
+    steps is clearly above the first five, the held-out accuracy rises from its step-0 baseline, and the
+    default health gate never fires on this healthy run."""
+    from tasks.spec import load_spec
+    spec = load_spec(REPO / "examples" / "quickstart.yaml", [f"model.name_or_path={tiny_model}", "model.build_if_missing=null"])
+    t = GRPOTrainer(spec.trainer_config(), tmp_path, progress=False)
+    result = t.train()
+    t.close()
+    rewards = [m["reward"] for m in result.history]
+    first5, last5 = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert result.stopped is None and result.last_step == spec.optim.steps
+    assert last5 > first5 + 0.1, (first5, last5)
+    lines = read_jsonl(tmp_path / "metrics.jsonl")
+    assert lines[0] == result.eval_start and set(lines[0]) == {"step", "eval/reward", "eval/accuracy", "eval/mean_length"}
+    assert result.history[-1]["eval/accuracy"] > result.eval_start["eval/accuracy"] + 0.1
+
+
+def test_eval_on_start_is_step_0_and_sampled_eval_leaves_the_run_unchanged(tiny_model, straight_run, tmp_path):
+    """A sampled eval before training and every 2 steps (in a forked RNG) changes nothing of the run itself."""
+    t = trainer_for(tiny_model, tmp_path, eval={"every": 2, "on_start": True, "temperature": 1.0, "max_tokens": 24},
+                    **RESUME_SECTIONS)
+    result = t.train(6)
+    t.close()
+    lines = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in lines] == [0, 1, 2, 3, 4, 5, 6]
+    assert "reward" not in lines[0] and 0.0 <= lines[0]["eval/accuracy"] <= 1.0
+    assert [m["step"] for m in result.history] == [1, 2, 3, 4, 5, 6] and "eval/accuracy" in result.history[1]
+    straight = read_jsonl(straight_run / "metrics.jsonl")
+    for got, want in zip(result.history, straight):
+        assert deterministic({k: v for k, v in got.items() if not k.startswith("eval/")}) == deterministic(want)

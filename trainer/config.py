@@ -132,6 +132,7 @@ class EvalConfig(Section):
     `model.generate` with these settings (greedy by default) — the same function during training and
     on the final checkpoint, so in-training eval cannot drift from what users see."""
     every: int = Field(0, ge=0, description="Evaluate every this many steps during training; 0 = only at the end.")
+    on_start: bool = Field(False, description="Also evaluate before the first step (logged as step 0): the baseline to read the gain against.")
     temperature: float = Field(0.0, ge=0, description="0 = greedy.")
     max_tokens: int = Field(32, ge=1)
     batch_size: int = Field(32, ge=1)

@@ -27,11 +27,13 @@ def generate_texts(model, tokenizer, prompts: list[str], max_tokens: int, temper
             batch = tokenizer.pad({"input_ids": chunk}, padding=True, return_tensors="pt").to(device)
             kwargs = dict(max_new_tokens=max_tokens, pad_token_id=tokenizer.pad_token_id)
             if temperature > 0:
-                torch.manual_seed(seed + start)
                 kwargs.update(do_sample=True, temperature=temperature)
             else:
                 kwargs.update(do_sample=False)
-            out = model.generate(**batch, **kwargs)
+            # sampling is seeded per batch, in a forked RNG: eval never moves the training run's random state
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(seed + start)
+                out = model.generate(**batch, **kwargs)
             texts += tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
     finally:
         model.train(was_training)

@@ -4,7 +4,8 @@ Reads top to bottom in the order the data flows. The choices, on purpose:
 
 - A *step* is one batch of rollouts (prompts_per_step × num_generations completions) and the
   `num_iterations` optimizer updates made on it; `optim.steps` counts steps, `metrics.jsonl` has
-  one line per step.
+  one line per step (and, with `eval.on_start`, a line for step 0 holding only the eval/* metrics of
+  the model before training, as TRL's eval_on_start logs them).
 - Rollouts of step k are seeded from (rollout.seed, k), so a resumed run samples exactly what an
   uninterrupted run would; the prompt sampler's position is part of the checkpoint.
 - Old (behaviour) logprobs come from the engine by default. If the engine gives none for some tokens
@@ -69,6 +70,7 @@ class RunResult:
     stopped: str | None
     last_checkpoint: Path | None
     history: list[dict] = field(default_factory=list)
+    eval_start: dict | None = None    # eval/* before the first step (eval.on_start), logged as step 0
 
 
 def config_hash(cfg: TrainerConfig) -> str:
@@ -277,6 +279,13 @@ class GRPOTrainer:
         total = total_steps or self.cfg.optim.steps
         history, stopped, last_ckpt = [], None, None
         metrics_file = self.out / "metrics.jsonl"
+        eval_start = None
+        if self.step == 0 and self.cfg.eval.on_start and self.eval_set:
+            eval_start = {"step": 0, **self.evaluate()}
+            with open(metrics_file, "a") as f:
+                f.write(json.dumps(eval_start) + "\n")
+            for cb in self.callbacks:
+                cb.on_step(0, eval_start)
         bar = _progress(self.progress)
         with bar:
             task = bar.add_task("GRPO", total=total, completed=self.step, info="")
@@ -298,7 +307,7 @@ class GRPOTrainer:
                 bar.update(task, completed=step, info=f"reward {m['reward']:.3f}  kl {m['kl']:.4f}  len {m['completions/mean_length']:.1f}")
                 if stopped:
                     break
-        return RunResult(self.step, stopped, last_ckpt or ckpt.latest_checkpoint(self.ckpt_root), history)
+        return RunResult(self.step, stopped, last_ckpt or ckpt.latest_checkpoint(self.ckpt_root), history, eval_start)
 
     def save(self) -> Path:
         trainer_state = {"step": self.step, "sampler": self.sampler.state_dict(), "health_gate": self.gate.state_dict(),

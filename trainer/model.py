@@ -17,18 +17,21 @@ checkpoint, built here without a model hub. Choices:
 - Model: Llama, hidden 128, 2 heads of head_dim 64 (vLLM's CPU attention needs 64), 2 layers, MLP 384,
   256 positions, untied embeddings — about 0.5M parameters, so a GRPO step takes well under a second on CPU.
 - Warm-up: random weights would never produce `<output>..</output>`, and a model that always answers
-  right gives GRPO nothing to learn. So the build fine-tunes all weights briefly (AdamW, CPU, seeded) on
-  additions from `arith_examples(seed=12345)` — a seed distinct from the training (0) and eval
-  (1_000_003) data seeds — with the loss on the answer `<output>{sum}</output></s>` only.
-  Learning the carry is a sudden transition (T=1 accuracy goes from ~5 % to ~80 % within ~150 steps, at a
-  step that depends on the seed), so a fixed step count would give 0 % for one seed and 80 % for another.
-  The warm-up instead stops when the *expected* T=1 accuracy — the mean probability of the whole right
-  answer, which each training batch's forward pass gives for free — reaches `target_accuracy` (25 %).
-  That happens after ~250-320 steps, ~30 s on 2 idle cores. Sampled at T=1 the result answers ~25-30 %
-  of 2-digit sums right and ~95 % of completions are well formed and end with eos (the misses are stray
-  bytes from the vocabulary's tail): room for GRPO to raise the reward, and reward variance in groups.
-  The result, measured on 64 additions the warm-up never saw (greedy; 4 samples each at T=1; and the
-  expected T=1 accuracy), is written to `ballast_build.json`.
+  right gives GRPO nothing to learn. What RL fine-tuning usually meets in a real base model is in
+  between: the model *knows* the answer (greedy decoding gets it) but spreads probability over wrong
+  ones, so sampled answers are often wrong; GRPO's first, fast effect is to sharpen that. The build
+  makes such a model: it fine-tunes all weights (AdamW, CPU, seeded) on additions from
+  `arith_examples(seed=12345)` — a seed distinct from the training (0) and eval (1_000_003) data seeds —
+  with the loss on the answer `<output>{sum}</output></s>` only, and with label smoothing on the digits:
+  each digit's target keeps 70 % on the right digit and spreads 30 % (`digit_smoothing`) over the ten
+  digits. It stops when, teacher-forced, every answer token is the argmax for 90 % of a training batch
+  (averaged over 5 steps) — learning the carry is a sudden transition whose step depends on the seed, so
+  a fixed step count would not do — usually after ~550-800 steps, ~2 min on 2 idle cores.
+  The result answers ~90 % of held-out sums right greedily, ~35 % when sampled at T=1 (digits drawn
+  from the smoothed distribution), and keeps the format in ~98 % of samples: GRPO on the quickstart
+  raises the sampled reward visibly within a few dozen steps. The result, measured on 64 additions the
+  warm-up never saw (greedy; 4 samples each at T=1; and the expected T=1 accuracy), is written to
+  `ballast_build.json`.
 - Deterministic for a seed (same weights, same bytes), on the same torch build and thread count.
 - Atomic: the build writes a temporary sibling directory and renames it into place, so a killed build
   never leaves a half model at the path.
@@ -63,16 +66,17 @@ class TinyArithRecipe:
     num_layers: int = 2
     intermediate_size: int = 384
     max_position_embeddings: int = 256
-    # warm-up: tuned so the stop below is reached after ~250-320 steps (~30 s on 2 idle cores)
-    warmup_steps: int = 600                 # the most steps; the warm-up usually stops earlier, see target_accuracy
+    # warm-up: the stop below is usually reached after ~550-800 steps (~2 min on 2 idle cores)
+    warmup_steps: int = 1500                # the most steps; the warm-up usually stops earlier, see target_argmax_accuracy
     batch_size: int = 128
     learning_rate: float = 1e-3
     lr_warmup_steps: int = 20               # linear ramp of the learning rate, then constant
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
-    # the stop (see the module docstring): expected T=1 accuracy of the training batches, averaged over the
-    # last `stop_window` steps, reaches target_accuracy
-    target_accuracy: float = 0.25
+    digit_smoothing: float = 0.3            # share of each answer digit's target spread over the ten digits
+    # the stop (see the module docstring): the share of training answers whose every token is the argmax
+    # (teacher-forced), averaged over the last `stop_window` steps, reaches target_argmax_accuracy
+    target_argmax_accuracy: float = 0.9
     stop_window: int = 5
     data_seed: int = 12345                  # warm-up additions; distinct from the data seeds 0 / 1_000_003
     eval_seed: int = 424242                 # held-out additions (never in the warm-up) for ballast_build.json
@@ -339,24 +343,39 @@ def _answer_batch(tokenizer, examples) -> tuple[torch.Tensor, torch.Tensor, torc
     return input_ids, attention_mask, labels
 
 
-def _answer_logprobs(model, input_ids, attention_mask, labels) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token logprobs of the labelled (answer) tokens, zero elsewhere, and the mask of those tokens."""
+def _answer_logits(model, tokenizer, input_ids, attention_mask, labels):
+    """(fp32 log-softmax over the vocabulary at each answer position, targets, answer mask, digit-target mask)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
-    targets, mask = labels[:, 1:], labels[:, 1:] != -100
-    token_logprobs = torch.log_softmax(logits, -1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
-    return token_logprobs * mask, mask
+    targets, mask = labels[:, 1:].clamp(min=0), labels[:, 1:] != -100
+    is_digit = torch.isin(targets, _digit_ids(tokenizer)) & mask
+    return torch.log_softmax(logits, -1), targets, mask, is_digit
+
+
+def _digit_ids(tokenizer) -> torch.Tensor:
+    return torch.tensor(tokenizer.convert_tokens_to_ids(list("0123456789")))
+
+
+def _warmup_loss(logprobs, targets, mask, is_digit, digit_ids, smoothing: float) -> torch.Tensor:
+    """Cross-entropy on the answer tokens; at a digit, the target keeps 1 - smoothing on the right digit
+    and spreads `smoothing` evenly over the ten digits."""
+    nll = -logprobs.gather(-1, targets[..., None]).squeeze(-1)
+    spread = -logprobs[..., digit_ids].mean(-1)
+    per_token = torch.where(is_digit, (1 - smoothing) * nll + smoothing * spread, nll)
+    return (per_token * mask).sum() / mask.sum()
 
 
 @torch.no_grad()
 def _expected_accuracy(model, tokenizer, examples) -> float:
     """Mean probability of the whole right answer: the exact accuracy of T=1 sampling, in expectation."""
-    token_logprobs, _ = _answer_logprobs(model, *_answer_batch(tokenizer, examples))
+    logprobs, targets, mask, _ = _answer_logits(model, tokenizer, *_answer_batch(tokenizer, examples))
+    token_logprobs = logprobs.gather(-1, targets[..., None]).squeeze(-1) * mask
     return token_logprobs.sum(-1).exp().mean().item()
 
 
 def _warm_up(model, tokenizer, recipe: TinyArithRecipe, steps: int, seed: int, progress: bool,
              held_out: list) -> dict:
-    """Supervised warm-up of all weights, for `steps` or until the expected T=1 accuracy reaches the target."""
+    """Supervised warm-up of all weights, for `steps` or until the teacher-forced argmax answer is right
+    often enough (see the module docstring)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     excluded = {e.prompt for e in held_out}
@@ -365,28 +384,31 @@ def _warm_up(model, tokenizer, recipe: TinyArithRecipe, steps: int, seed: int, p
     torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, weight_decay=recipe.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, recipe.lr_warmup_steps)))
+    digit_ids = _digit_ids(tokenizer)
     recent: list[float] = []
-    result = {"steps": 0, "final_loss": float("nan"), "expected_accuracy": 0.0}
+    result = {"steps": 0, "final_loss": float("nan"), "argmax_accuracy": 0.0}
     bar = Progress(TextColumn("[bold]warm-up"), BarColumn(bar_width=20), MofNCompleteColumn(),
-                   TextColumn("loss {task.fields[loss]:.3f}  p(right) {task.fields[acc]:.2f}"
-                              f"/{recipe.target_accuracy:.2f}"), TimeElapsedColumn(), disable=not progress)
+                   TextColumn("loss {task.fields[loss]:.3f}  argmax right {task.fields[acc]:.2f}"
+                              f"/{recipe.target_argmax_accuracy:.2f}"), TimeElapsedColumn(), disable=not progress)
     model.train()
     with bar:
         task = bar.add_task("warm-up", total=steps, loss=float("nan"), acc=0.0)
         for step in range(1, steps + 1):
             input_ids, attention_mask, labels = _answer_batch(
                 tokenizer, stream[(step - 1) * recipe.batch_size:step * recipe.batch_size])
-            token_logprobs, mask = _answer_logprobs(model, input_ids, attention_mask, labels)
-            loss = -token_logprobs.sum() / mask.sum()
+            logprobs, targets, mask, is_digit = _answer_logits(model, tokenizer, input_ids, attention_mask, labels)
+            loss = _warmup_loss(logprobs, targets, mask, is_digit, digit_ids, recipe.digit_smoothing)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
             optimizer.step()
             scheduler.step()
-            recent = (recent + [token_logprobs.detach().sum(-1).exp().mean().item()])[-recipe.stop_window:]
-            result.update(steps=step, final_loss=loss.item(), expected_accuracy=sum(recent) / len(recent))
-            bar.update(task, advance=1, loss=result["final_loss"], acc=result["expected_accuracy"])
-            if len(recent) == recipe.stop_window and result["expected_accuracy"] >= recipe.target_accuracy:
+            with torch.no_grad():  # every answer token is the argmax, given the right prefix
+                right = ((logprobs.argmax(-1) == targets) | ~mask).all(-1).float().mean().item()
+            recent = (recent + [right])[-recipe.stop_window:]
+            result.update(steps=step, final_loss=loss.item(), argmax_accuracy=sum(recent) / len(recent))
+            bar.update(task, advance=1, loss=result["final_loss"], acc=result["argmax_accuracy"])
+            if len(recent) == recipe.stop_window and result["argmax_accuracy"] >= recipe.target_argmax_accuracy:
                 bar.update(task, total=step)  # reached the target: the bar ends full
                 break
     model.eval()
@@ -474,7 +496,7 @@ def build_tiny_arith(path: str | Path, seed: int = 0, warmup_steps: int = RECIPE
         record = {
             "builder": "ballast tiny-arith", "seed": seed, "max_warmup_steps": warmup_steps, "warmup_steps_done": warm_up["steps"],
             "final_loss": round(warm_up["final_loss"], 4),
-            "expected_accuracy_at_stop": round(warm_up["expected_accuracy"], 4),
+            "argmax_accuracy_at_stop": round(warm_up["argmax_accuracy"], 4),
             "recipe": asdict(recipe), "parameters": sum(p.numel() for p in model.parameters()),
             "held_out_prompts": len(held_out), "greedy": greedy,
             "sampled_t1": {"samples_per_prompt": recipe.eval_samples, **sampled},
