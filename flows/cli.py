@@ -9,6 +9,7 @@
   ballast sweep FILE [--trials N] [--workers K] [--storage URL]   an Optuna sweep of pipeline runs
   ballast sweep-worker --study NAME --storage URL               join a sweep from another machine
   ballast vllm-env [--path DIR] [--gpu|--cpu]   create the separate vLLM environment
+  ballast launch SPEC [--dryrun]           the pipeline on a GPU node provisioned with SkyPilot
   ballast ui                               the MLflow and Prefect UIs on the embedded stores
   ballast metrics                          every metric name and its meaning
 
@@ -123,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _register_optional_commands() -> None:
     """Commands defined next to the flows they run register themselves on import."""
     import importlib
-    for module in ("flows.pipeline", "flows.regression", "flows.sweep", "flows.probe_cli", "flows.vllm_env"):
+    for module in ("flows.pipeline", "flows.regression", "flows.sweep", "flows.probe_cli", "flows.vllm_env", "flows.launch"):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as e:

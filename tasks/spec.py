@@ -59,14 +59,15 @@ class StorageConfig(Section):
 
 
 class InfraConfig(Section):
-    """SkyPilot resources for `ballast launch`; unused when running on this machine."""
-    accelerators: Optional[str] = Field(None, description="e.g. 'H200:2' (trainer on GPU 0, vLLM on GPU 1).")
-    cloud: Optional[str] = None
-    cpus: Optional[str] = None
-    memory: Optional[str] = None
-    num_nodes: int = 1
+    """SkyPilot resources for `ballast launch` (infra/skypilot.py); unused when running on this machine."""
+    accelerators: Optional[str] = Field(None, description="e.g. 'H200:2' (with rollout.engine: vllm, trainer on GPU 0, vLLM on GPU 1).")
+    cloud: Optional[str] = Field(None, description="SkyPilot infra: 'k8s', 'aws', 'gcp', 'aws/us-east-1', ...; default: the cheapest enabled.")
+    cpus: Optional[str] = Field(None, description="e.g. '8', '16+'.")
+    memory: Optional[str] = Field(None, description="GB, e.g. '64+'.")
+    num_nodes: int = Field(1, ge=1)
     use_spot: bool = False
-    env: dict[str, str] = Field(default_factory=dict, description="Names of environment variables to pass through (values are read at launch, never stored).")
+    env: list[str] = Field(default_factory=list, description="Names of environment variables (HF_TOKEN, AWS_ACCESS_KEY_ID, ...) whose "
+                                                          "values are read at launch and passed to the node as SkyPilot secrets; never stored.")
 
 
 class ExperimentSpec(TrainerConfig):

@@ -1,6 +1,6 @@
 """prefect.yaml against a real local Prefect server (SQLite, offline): `prefect deploy --all` registers
-the pipeline and the nightly regression deployments, and the server gives back their entrypoints,
-parameters, work pool and the regression's cron schedule."""
+the pipeline, the nightly regression and the sweep (and sweep-worker) deployments, and the server gives
+back their entrypoints, parameters, work pool and the regression's cron schedule."""
 import asyncio
 import os
 import signal
@@ -92,14 +92,24 @@ def test_prefect_yaml_declares_pipeline_and_scheduled_regression():
     assert by_name["ballast-regression"]["schedules"][0]["cron"] == "0 3 * * *"
 
 
-def test_both_deployments_are_registered_with_their_flows(deployed):
+DEPLOYMENTS = ("ballast-pipeline", "ballast-regression", "ballast-sweep", "ballast-sweep-worker")
+
+
+def test_every_deployment_is_registered_with_its_flow(deployed):
     deployments, flow_names = deployed
-    assert set(deployments) >= {"ballast-pipeline", "ballast-regression"}
-    assert flow_names[deployments["ballast-pipeline"].id] == "ballast-pipeline"
-    assert flow_names[deployments["ballast-regression"].id] == "ballast-regression"
-    assert deployments["ballast-pipeline"].entrypoint == "flows/deployments.py:ballast_pipeline"
-    assert deployments["ballast-regression"].entrypoint == "flows/deployments.py:ballast_regression"
+    assert set(deployments) == set(DEPLOYMENTS)
+    for name in DEPLOYMENTS:
+        assert flow_names[deployments[name].id] == name
+        assert deployments[name].entrypoint == f"flows/deployments.py:{name.replace('-', '_')}"
     assert {d.work_pool_name for d in deployments.values()} == {"ballast-local"}
+
+
+def test_sweep_deployments_take_the_sweep_file_and_a_shared_study(deployed):
+    deployments, _ = deployed
+    sweep, worker = deployments["ballast-sweep"], deployments["ballast-sweep-worker"]
+    assert sweep.parameters == {"sweep_path": "examples/sweep.yaml", "workers": 1} and sweep.schedules == []
+    assert {"sweep_path", "trials", "workers", "storage"} == set(sweep.parameter_openapi_schema["properties"])
+    assert set(worker.parameter_openapi_schema["required"]) == {"study", "storage"}
 
 
 def test_regression_deployment_runs_nightly_with_its_parameters(deployed):
