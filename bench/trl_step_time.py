@@ -2,7 +2,8 @@
 
 Both frameworks train the offline tiny arithmetic model (`tests.conftest.tiny_model_path()`, cached under
 .ballast/test-cache) on the same `arith` prompts with the same reward, and one *step* is the same work
-on both sides: 8 prompts x 8 completions = 64 completions sampled with HF `generate`, rewarded,
+on both sides: 8 prompts x 8 completions = 64 completions sampled in-process with the HF model (TRL:
+`generate`; Ballast: its HF engine's own sampling loop, the same transformers logits processors), rewarded,
 group-normalised, and ONE optimizer step on them. The settings, and how each side is told:
 
     setting                 Ballast (TrainerConfig)                 TRL 1.16 (GRPOConfig)
@@ -10,7 +11,8 @@ group-normalised, and ONE optimizer step on them. The settings, and how each sid
                             grpo.num_generations 8,                 gradient_accumulation_steps 1, so steps_per_generation 1
                             optim.gradient_accumulation_steps 1     and generation_batch_size 64: one generate, one update
     length                  rollout.max_tokens 64                   max_completion_length 64
-    sampling                temperature 1, top_p 1, top_k off       the same; use_vllm False (transformers generate)
+    sampling                temperature 1, top_p 1, top_k off;      the same; use_vllm False (transformers generate)
+                            rollout.engine hf
     LoRA                    r 16, alpha 32, dropout 0, q k v o gate up down: the same peft LoraConfig on both
     KL                      beta 0.04, k3; reference = the base model with the adapter disabled, on both
     loss                    dapo, epsilon 0.2, num_iterations 1, scale_rewards group, on both
@@ -23,14 +25,14 @@ group-normalised, and ONE optimizer step on them. The settings, and how each sid
     logging, eval, saving   no eval, no checkpoint, health gate off logging_strategy/save_strategy/eval_strategy 'no',
                                                                     report_to 'none'
 
-Old-policy logprobs cost no extra forward pass on either side: Ballast takes them from `generate`'s
-logits, TRL skips them when generation and optimisation are aligned (it uses the detached current
+Old-policy logprobs cost no extra forward pass on either side: Ballast's HF engine takes them while it
+samples (its own loop with a static KV cache, trainer/engines/hf.py), TRL skips them when generation and optimisation are aligned (it uses the detached current
 logprobs). So both do per step: one generate, one no-grad reference forward, one forward + backward.
 
 Modes. `natural`: generation stops at eos, and the tiny model stops after ~21 tokens (the longest of a batch ~35), so the mean
 completion length of each side is printed next to its time. `fixed64`: eos is suppressed until 64
-tokens (TRL: generation_kwargs min_new_tokens=64; Ballast: min_new_tokens=64 on the policy's
-generation_config, which its HF engine's `generate` call inherits), so both generate exactly 64 tokens.
+tokens (TRL: generation_kwargs min_new_tokens=64; Ballast: rollout.min_tokens=64), so both generate
+exactly 64 tokens.
 
 Timing. N warm-up steps, then M timed steps for each framework. A TRL step is timed by a
 `TrainerCallback` from on_step_begin to on_step_end (generation, rewards, reference, forward, backward,
@@ -129,7 +131,8 @@ class BallastRunner:
             rewards=[RewardConfig(name="exact_answer")],
             grpo=GRPOConfig(num_generations=s.num_generations, prompts_per_step=s.prompts_per_step, beta=s.beta,
                             loss_type=s.loss_type, epsilon=s.epsilon, scale_rewards=s.scale_rewards, num_iterations=1),
-            rollout=RolloutConfig(engine="hf", temperature=s.temperature, max_tokens=s.max_tokens, seed=s.seed),
+            rollout=RolloutConfig(engine="hf", temperature=s.temperature, max_tokens=s.max_tokens, seed=s.seed,
+                                  min_tokens=s.max_tokens if mode == "fixed64" else 0),
             optim=OptimConfig(steps=total_steps, learning_rate=s.learning_rate, adam_beta1=s.adam_betas[0],
                               adam_beta2=s.adam_betas[1], weight_decay=0.0, schedule="constant",
                               max_grad_norm=s.max_grad_norm, seed=s.seed),
@@ -137,8 +140,6 @@ class BallastRunner:
             health=HealthConfig(enabled=False),     # fixed64 would trip clipped_ratio_max: every completion hits max
             eval=EvalConfig(every=0))
         self.trainer = GRPOTrainer(cfg, workdir / "ballast", progress=False)
-        if mode == "fixed64":
-            self.trainer.model.get_base_model().generation_config.min_new_tokens = s.max_tokens
         self.device, self.step = device, 0
         self.records: list[StepRecord] = []
         self.rewards: list[float] = []

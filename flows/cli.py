@@ -132,6 +132,9 @@ def _register_optional_commands() -> None:
                 raise
 
 
+LIGHT_COMMANDS = {"metrics", "spec-schema", "launch", "vllm-env", "ui"}
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # ours are the rich bars; theirs clutter stderr
@@ -144,12 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
     from tasks.spec import SpecError
-    from trainer.checkpoint import CheckpointError
-    try:
+    if args.command not in LIGHT_COMMANDS:  # these never load a model: no need to import transformers (~2 s)
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
     try:
         return args.func(args) or 0
     except SpecError as e:
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.code
-    except (CheckpointError, FileNotFoundError, ValueError, RuntimeError) as e:
+    except (FileNotFoundError, ValueError, RuntimeError) as e:  # CheckpointError is a ValueError
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -50,7 +50,12 @@ def setup(spec) -> MlflowClient:
 
 
 class MetricsSink:
-    """Queues step metrics and sends them with log_batch from a background thread."""
+    """Queues step metrics and sends them with log_batch from a background thread, at most every
+    `flush_seconds` (and at close). One log_batch per step cost ~17 ms of CPU on SQLite, taken from the
+    training thread through the GIL; batched, MLflow sees the curves ~2 s late and training loses nothing.
+    `every` (tracking.log_every) sends only every N-th step's metrics."""
+
+    flush_seconds = 2.0
 
     def __init__(self, client: MlflowClient, run_id: str, every: int = 1):
         self.client, self.run_id, self.every = client, run_id, every
@@ -60,23 +65,30 @@ class MetricsSink:
         self.thread.start()
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        if step % self.every and not any(k.startswith("eval/") for k in metrics):
+            return
         ts = int(time.time() * 1000)
         self.q.put([Metric(k, float(v), ts, step) for k, v in metrics.items()
                     if k != "step" and isinstance(v, (int, float)) and v == v])
 
     def _work(self) -> None:
         pending: list[Metric] = []
+        last_flush = time.monotonic()
         while True:
-            item = self.q.get()
-            if item is not None:
+            try:
+                item = self.q.get(timeout=self.flush_seconds)
+            except queue.Empty:
+                item = []
+            if item:
                 pending += item
-            if pending and (item is None or len(pending) >= 200 * self.every or self.q.empty()):
+            due = time.monotonic() - last_flush >= self.flush_seconds
+            if pending and (item is None or due):
                 try:
                     for i in range(0, len(pending), 1000):
                         self.client.log_batch(self.run_id, metrics=pending[i:i + 1000])
                 except Exception as e:  # keep training; report at close
                     self.error = e
-                pending = []
+                pending, last_flush = [], time.monotonic()
             if item is None:
                 return
 

@@ -51,7 +51,8 @@ class TrackingConfig(Section):
     uri: Optional[str] = Field(None, description="MLflow tracking URI; default sqlite under the project folder. "
                                                  "postgresql://... for a team server.")
     experiment: str = "ballast"
-    log_every: int = Field(1, ge=1, description="Send buffered step metrics to MLflow every this many steps.")
+    log_every: int = Field(1, ge=1, description="Log every this many steps' metrics to MLflow (eval steps always); metrics.jsonl "
+                                                 "has every step. Sent from a background thread in batches, every ~2 s.")
 
 
 class StorageConfig(Section):

