@@ -124,6 +124,8 @@ def validate_spec(data: dict, where: str = "spec") -> ExperimentSpec:
             msg = f"unknown field '{field}'; check the spelling against the spec reference (ballast spec-schema)"
         elif err["type"] == "missing":
             msg = f"field '{field}' is required"
+        elif err["type"] == "value_error" and not err["loc"]:  # a check across sections: its message names the fields
+            msg = err["msg"].removeprefix("Value error, ")
         else:
             msg = f"field '{field}': {err['msg']} (got {err.get('input')!r})"
         more = f" (+{len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""

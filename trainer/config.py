@@ -73,7 +73,9 @@ class GRPOConfig(Section):
 
 
 class RolloutConfig(Section):
-    engine: Literal["hf", "vllm"] = "hf"
+    engine: Literal["hf", "vllm", "offline"] = Field(
+        "hf", description="hf: sample in-process; vllm: a vLLM server in its own process; offline: completions (with their "
+                          "logprobs) read from data.source, a trajectory .jsonl (trainer/engines/offline.py).")
     device: Optional[str] = Field(None, description="Inference device; defaults to the trainer's. For vllm, the CUDA_VISIBLE_DEVICES of the server.")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -152,6 +154,13 @@ class TrainerConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @model_validator(mode="after")
+    def _offline_reads_a_file(self):
+        if self.rollout.engine == "offline" and not self.data.source.endswith(".jsonl"):
+            raise ValueError(f"rollout.engine: offline reads its completions from data.source, which is "
+                             f"{self.data.source!r}; point data.source to the trajectory .jsonl")
+        return self
 
     @model_validator(mode="after")
     def _batch_splits_evenly(self):

@@ -123,6 +123,9 @@ class GRPOTrainer:
         if self.cfg.rollout.engine == "hf":
             from .engines.hf import HFEngine
             return HFEngine(self.model, self.tokenizer, self.device)
+        if self.cfg.rollout.engine == "offline":
+            from .engines.offline import OfflineEngine
+            return OfflineEngine(self.cfg.data.source, self.tokenizer, render_prompt)
         from .engines.vllm import VLLMEngine
         return VLLMEngine.from_config(self.cfg, self.tokenizer, self.out / "vllm")
 

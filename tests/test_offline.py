@@ -1,0 +1,146 @@
+"""Trajectories generated elsewhere (rollout.engine: offline): logprobs are read from every shape tools
+write — never silently as NaN, the bug that turned importance sampling into REINFORCE — and a GRPO run
+on a trajectory file uses them as its old policy."""
+import json
+import math
+
+import pytest
+
+from tests.conftest import tiny_spec
+from trainer.config import TrainerConfig
+from trainer.engines.offline import TrajectoryError, read_logprobs
+from trainer.loop import GRPOTrainer, TrainingError
+
+# ── the shapes ──────────────────────────────────────────────────────────────────────────────────────
+
+LPS = [-0.25, -1.5, -0.0]
+
+
+@pytest.mark.parametrize("shape, value, ids", [
+    ("floats", LPS, None),
+    ("openai chat content", [{"token": "4", "logprob": x, "bytes": [52], "top_logprobs": []} for x in LPS], None),
+    ("openai chat logprobs", {"content": [{"token": "4", "logprob": x} for x in LPS], "refusal": None}, None),
+    ("openai completions", {"tokens": ["a", "b", "c"], "token_logprobs": LPS, "top_logprobs": None}, None),
+    ("vllm, one candidate each", [{"52": {"logprob": x, "rank": 1, "decoded_token": "4"}} for x in LPS], None),
+    ("vllm, several candidates", [{"52": {"logprob": x, "rank": 1}, "53": {"logprob": -9.0, "rank": 2}} for x in LPS],
+     [52, 52, 52]),
+    ("vllm, int keys and bare floats", [{52: x, 7: -9.0} for x in LPS], [52, 52, 52]),
+])
+def test_every_supported_shape_reads_the_same_floats(shape, value, ids):
+    assert read_logprobs(value, ids) == LPS
+
+
+@pytest.mark.parametrize("value, message", [
+    ([{"token": "4"}, {"token": "5"}], "logprobs[0] is a dict with keys ['token'] and no 'logprob'"),
+    ([-0.1, None], "logprobs[1] is None, not a number; a missing logprob must not become ratio 1 (REINFORCE)"),
+    ([-0.1, float("nan")], "logprobs[1] is nan: a logprob must be finite and <= 0"),
+    ([0.7], "logprobs[0] is 0.7: a logprob must be finite and <= 0"),
+    ({"top_logprobs": []}, "logprobs is a dict with keys ['top_logprobs']; expected a list of floats"),
+    ("-0.1,-0.2", "logprobs is a str; expected"),
+])
+def test_unreadable_logprobs_fail_naming_where_and_why(value, message):
+    with pytest.raises(TrajectoryError) as e:
+        read_logprobs(value)
+    assert message in str(e.value)
+
+
+def test_vllm_logprobs_of_other_tokens_are_refused():
+    with pytest.raises(TrajectoryError, match=r"logprobs\[0\] has no entry for the sampled token 52"):
+        read_logprobs([{"53": {"logprob": -0.1}}], [52])
+
+
+# ── a GRPO run on a trajectory file ─────────────────────────────────────────────────────────────────
+
+G = 4
+
+
+@pytest.fixture(scope="module")
+def trajectories(tiny_model, tmp_path_factory):
+    """Completions sampled from the tiny model (as an outside inference service would), written with their
+    logprobs in OpenAI's chat shape: a list of per-token dicts."""
+    from trainer.config import LoraConfig, ModelConfig
+    from trainer.data import arith_examples, render_prompt
+    from trainer.engines.base import SamplingParams
+    from trainer.engines.hf import HFEngine
+    from trainer.model import load_policy
+
+    model, tokenizer = load_policy(ModelConfig(name_or_path=str(tiny_model), device="cpu"), LoraConfig(r=8, alpha=16))
+    examples = arith_examples(6, seed=7)
+    groups = HFEngine(model, tokenizer, "cpu").generate([render_prompt(tokenizer, e.prompt) for e in examples],
+                                                        SamplingParams(n=G, max_tokens=24, seed=1))
+    path = tmp_path_factory.mktemp("traj") / "trajectories.jsonl"
+    with open(path, "w") as f:
+        for e, group in zip(examples, groups):
+            completions = [{"token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason,
+                            "logprobs": [{"token": tokenizer.decode([t]), "logprob": lp} for t, lp in zip(c.token_ids, c.logprobs)]}
+                           for c in group]
+            f.write(json.dumps({"prompt": e.prompt, "answer": e.answer, "completions": completions}) + "\n")
+    return path
+
+
+def rewrite(src, dst, change):
+    rows = [json.loads(line) for line in src.read_text().splitlines()]
+    for row in rows:
+        change(row)
+    dst.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return dst
+
+
+def offline_trainer(tiny_model, path, out, **grpo):
+    spec = tiny_spec(tiny_model, data={"source": str(path)}, rollout={"engine": "offline", "max_tokens": 24},
+                     grpo={"num_generations": G, "prompts_per_step": 2, "beta": 0.04, **grpo},
+                     optim={"steps": 2, "learning_rate": 1e-3}, checkpoint={"every": 100})
+    return GRPOTrainer(TrainerConfig.model_validate(spec), out, progress=False)
+
+
+def test_a_run_on_trajectories_uses_their_logprobs_as_the_old_policy(tiny_model, trajectories, tmp_path):
+    t = offline_trainer(tiny_model, trajectories, tmp_path)
+    result = t.train(2)
+    first = result.history[0]
+    assert first["is/frac_old_logprobs_valid"] == 1.0
+    # sampled from the same weights the run starts from: read right, they equal the trainer's own logprobs
+    assert first["rollout/logprob_diff_max"] < 1e-4
+    assert math.isfinite(first["loss"]) and result.last_step == 2
+
+
+def test_logprobs_that_belong_to_another_policy_show_in_the_ratio(tiny_model, trajectories, tmp_path):
+    def older_policy(row):
+        for c in row["completions"]:
+            for entry in c["logprobs"]:
+                entry["logprob"] -= 0.3
+    path = rewrite(trajectories, tmp_path / "shifted.jsonl", older_policy)
+    m = offline_trainer(tiny_model, path, tmp_path / "run").train(1).history[0]
+    assert m["rollout/logprob_diff_mean"] == pytest.approx(0.3, abs=1e-4)
+    assert m["is/mean_importance_ratio"] == pytest.approx(math.exp(0.3), rel=1e-3)
+
+
+def test_trajectories_without_logprobs_fail_loudly_or_are_recomputed(tiny_model, trajectories, tmp_path):
+    def strip(row):
+        for c in row["completions"]:
+            del c["logprobs"]
+    path = rewrite(trajectories, tmp_path / "bare.jsonl", strip)
+    with pytest.raises(TrainingError, match="REINFORCE"):
+        offline_trainer(tiny_model, path, tmp_path / "a").train(1)
+    m = offline_trainer(tiny_model, path, tmp_path / "b", old_logprobs="recompute").train(1).history[0]
+    assert m["is/frac_old_logprobs_valid"] == 1.0 and math.isnan(m["rollout/logprob_diff_max"])
+
+
+def test_a_plain_dict_without_logprob_is_refused_naming_the_line(tiny_model, trajectories, tmp_path):
+    def plain(row):
+        for c in row["completions"]:
+            c["logprobs"] = [{"token": e["token"]} for e in c["logprobs"]]
+    path = rewrite(trajectories, tmp_path / "plain.jsonl", plain)
+    with pytest.raises(TrajectoryError, match=r"plain.jsonl:1 completions\[0\]\.logprobs\[0\] is a dict with keys \['token'\] and no 'logprob'"):
+        offline_trainer(tiny_model, path, tmp_path / "run")
+
+
+def test_a_group_of_another_size_is_refused_with_the_fix(tiny_model, trajectories, tmp_path):
+    with pytest.raises(TrajectoryError, match=r"trajectories.jsonl:\d+ has 4 completions but grpo.num_generations is 8"):
+        t = offline_trainer(tiny_model, trajectories, tmp_path, num_generations=8)
+        t.train(1)
+
+
+def test_offline_needs_a_trajectory_file_as_data_source():
+    from tasks.spec import SpecError, load_spec
+    with pytest.raises(SpecError, match="rollout.engine: offline reads its completions from data.source"):
+        load_spec({"model": {"name_or_path": "m"}, "rollout": {"engine": "offline"}})
