@@ -1,4 +1,4 @@
-"""Seconds per GRPO step with the HF engine (in-process `generate`) against the vLLM engine (a server in
+"""Seconds per GRPO step with the HF engine (in-process sampling) against the vLLM engine (a server in
 its own process and venv, a new LoRA version pushed every step), on the quickstart settings.
 
 Both runs use examples/quickstart.yaml unchanged (8 prompts x 8 completions, max_tokens 24, LoRA r 16,

@@ -239,7 +239,7 @@ def run_pipeline(spec, resume_run_id: str | None = None, extra_callbacks=(), pro
         status = "collapsed" if outcome.stopped else ("probe_failed" if report is not None and not report["passed"] else "finished")
         summary["status"] = status
         summary["seconds"] = time.perf_counter() - t_start
-        plots = lineage.plot_history(outcome.history, output_dir / "plots")
+        plots = lineage.plot_history(([outcome.eval_start] if outcome.eval_start else []) + outcome.history, output_dir / "plots")
         client.log_artifacts(run_id, str(output_dir / "plots"), "plots")
         before = summary["eval_start"]
         table = {"run id": run_id, "status": status, "steps": outcome.last_step, "stop reason": outcome.stopped or "",

@@ -142,7 +142,11 @@ PLOTS = {
 }
 
 
+SMOOTH, SMOOTH_FROM = 5, 20  # rolling mean over 5 steps for curves of 20 points or more
+
+
 def plot_history(history: list[dict], out_dir: Path) -> list[Path]:
+    """One PNG per group of PLOTS; eval/* points (step 0 too, with eval.on_start) drawn as markers."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -154,8 +158,14 @@ def plot_history(history: list[dict], out_dir: Path) -> list[Path]:
         drawn = False
         for k in keys:
             pts = [(m["step"], m[k]) for m in history if k in m and m[k] == m[k]]
-            if pts:
-                ax.plot(*zip(*pts), marker="." if len(pts) < 30 else None, label=k)
+            if len(pts) >= SMOOTH_FROM:  # noisy per-step values: faint, with their rolling mean on top
+                line, = ax.plot(*zip(*pts), alpha=0.3, linewidth=1)
+                xs, ys = zip(*pts)
+                means = [sum(ys[max(0, i - SMOOTH + 1):i + 1]) / len(ys[max(0, i - SMOOTH + 1):i + 1]) for i in range(len(ys))]
+                ax.plot(xs, means, color=line.get_color(), label=f"{k} (mean of {SMOOTH})")
+                drawn = True
+            elif pts:
+                ax.plot(*zip(*pts), marker=".", label=k)
                 drawn = True
         ax.set_xlabel("step")
         ax.set_title(name)
