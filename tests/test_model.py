@@ -207,3 +207,15 @@ def test_resolve_device():
     assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with pytest.raises(ValueError, match="model.device='gpu0' is not a device"):
         resolve_device("gpu0")
+
+
+def test_a_tiny_model_from_an_earlier_recipe_is_used_with_a_warning_saying_how_to_rebuild(tiny, tmp_path):
+    import shutil
+    old = tmp_path / "old"
+    shutil.copytree(tiny, old)
+    record = json.loads((old / BUILD_RECORD).read_text())
+    record["recipe"]["target_argmax_accuracy"] = 0.25
+    (old / BUILD_RECORD).write_text(json.dumps(record))
+    cfg = ModelConfig(name_or_path=str(old), build_if_missing="tiny-arith", device="cpu")
+    with pytest.warns(UserWarning, match="built by an earlier recipe .* delete the directory and run again"):
+        assert ensure_model(cfg) == str(old)

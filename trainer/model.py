@@ -206,11 +206,24 @@ def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, adapter_path: str 
 
 
 def ensure_model(cfg: ModelConfig) -> str:
-    """cfg.name_or_path, after building the tiny model there when it is missing and build_if_missing asks."""
+    """cfg.name_or_path, after building the tiny model there when it is missing and build_if_missing asks.
+    A tiny model built by an earlier recipe is used as it is, with a warning that says how to rebuild it."""
     path = Path(cfg.name_or_path).expanduser()
-    if cfg.build_if_missing == "tiny-arith" and not (path / "config.json").is_file():
-        build_tiny_arith(path)
+    if cfg.build_if_missing == "tiny-arith":
+        if not (path / "config.json").is_file():
+            build_tiny_arith(path)
+        elif _built_recipe(path) not in (None, asdict(RECIPE)):
+            import warnings
+            warnings.warn(f"the tiny model at {path} was built by an earlier recipe (see its {BUILD_RECORD}); it may not learn "
+                          f"as the quickstart expects — delete the directory and run again to rebuild it", stacklevel=2)
     return cfg.name_or_path
+
+
+def _built_recipe(path: Path) -> dict | None:
+    try:
+        return json.loads((path / BUILD_RECORD).read_text()).get("recipe")
+    except (OSError, ValueError):
+        return None
 
 
 # ── identity and fingerprint: telling a wrong base model or a changed adapter ──────────────────────
