@@ -29,7 +29,7 @@ from flows.cli import UserError, command
 
 # Background services of a Prefect server that have nothing to do for the embedded, one-process ephemeral
 # server (no deployments, schedules, workers or automations live there) and only take CPU from training:
-# with them on, a quickstart step ran ~12 % slower inside the flow than alone (bench/orchestration.py).
+# with them on, a quickstart step ran 5-10 % slower inside the flow than alone (bench/orchestration.py).
 IDLE_EPHEMERAL_SERVICES = ("CANCELLATION_CLEANUP", "DB_VACUUM", "FOREMAN", "LATE_RUNS", "SCHEDULER", "PAUSE_EXPIRATIONS",
                            "REPOSSESSOR", "CLEANUP_RECONCILER", "TRIGGERS")
 
@@ -308,7 +308,6 @@ def cmd_run(args) -> int:
         spec = _spec_of_run(args.resume, args.spec, args.project_dir)
     elif args.spec:
         spec = load_spec(args.spec, args.set)
-        prestart_prefect(spec.project_dir)
     else:
         raise UserError("give an experiment SPEC, or --resume RUN_ID", 2)
     summary = run_flow(spec, resume_run_id=args.resume)
