@@ -356,31 +356,26 @@ def _answer_batch(tokenizer, examples) -> tuple[torch.Tensor, torch.Tensor, torc
     return input_ids, attention_mask, labels
 
 
-def _answer_logits(model, tokenizer, input_ids, attention_mask, labels):
-    """(fp32 log-softmax over the vocabulary at each answer position, targets, answer mask, digit-target mask)."""
+def _answer_logits(model, input_ids, attention_mask, labels):
+    """(fp32 log-softmax over the vocabulary at each answer position, targets, answer mask)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
     targets, mask = labels[:, 1:].clamp(min=0), labels[:, 1:] != -100
-    is_digit = torch.isin(targets, _digit_ids(tokenizer)) & mask
-    return torch.log_softmax(logits, -1), targets, mask, is_digit
+    return torch.log_softmax(logits, -1), targets, mask
 
 
-def _digit_ids(tokenizer) -> torch.Tensor:
-    return torch.tensor(tokenizer.convert_tokens_to_ids(list("0123456789")))
-
-
-def _warmup_loss(logprobs, targets, mask, is_digit, digit_ids, smoothing: float) -> torch.Tensor:
+def _warmup_loss(logprobs, targets, mask, digit_ids, smoothing: float) -> torch.Tensor:
     """Cross-entropy on the answer tokens; at a digit, the target keeps 1 - smoothing on the right digit
     and spreads `smoothing` evenly over the ten digits."""
     nll = -logprobs.gather(-1, targets[..., None]).squeeze(-1)
     spread = -logprobs[..., digit_ids].mean(-1)
-    per_token = torch.where(is_digit, (1 - smoothing) * nll + smoothing * spread, nll)
+    per_token = torch.where(torch.isin(targets, digit_ids), (1 - smoothing) * nll + smoothing * spread, nll)
     return (per_token * mask).sum() / mask.sum()
 
 
 @torch.no_grad()
 def _expected_accuracy(model, tokenizer, examples) -> float:
     """Mean probability of the whole right answer: the exact accuracy of T=1 sampling, in expectation."""
-    logprobs, targets, mask, _ = _answer_logits(model, tokenizer, *_answer_batch(tokenizer, examples))
+    logprobs, targets, mask = _answer_logits(model, *_answer_batch(tokenizer, examples))
     token_logprobs = logprobs.gather(-1, targets[..., None]).squeeze(-1) * mask
     return token_logprobs.sum(-1).exp().mean().item()
 
@@ -397,7 +392,7 @@ def _warm_up(model, tokenizer, recipe: TinyArithRecipe, steps: int, seed: int, p
     torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, weight_decay=recipe.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, recipe.lr_warmup_steps)))
-    digit_ids = _digit_ids(tokenizer)
+    digit_ids = torch.tensor(tokenizer.convert_tokens_to_ids(list("0123456789")))
     recent: list[float] = []
     result = {"steps": 0, "final_loss": float("nan"), "argmax_accuracy": 0.0}
     bar = Progress(TextColumn("[bold]warm-up"), BarColumn(bar_width=20), MofNCompleteColumn(),
@@ -409,8 +404,8 @@ def _warm_up(model, tokenizer, recipe: TinyArithRecipe, steps: int, seed: int, p
         for step in range(1, steps + 1):
             input_ids, attention_mask, labels = _answer_batch(
                 tokenizer, stream[(step - 1) * recipe.batch_size:step * recipe.batch_size])
-            logprobs, targets, mask, is_digit = _answer_logits(model, tokenizer, input_ids, attention_mask, labels)
-            loss = _warmup_loss(logprobs, targets, mask, is_digit, digit_ids, recipe.digit_smoothing)
+            logprobs, targets, mask = _answer_logits(model, input_ids, attention_mask, labels)
+            loss = _warmup_loss(logprobs, targets, mask, digit_ids, recipe.digit_smoothing)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
