@@ -1,5 +1,6 @@
 """trainer/advantages.py: group-relative advantages, by hand, for each way of scaling; which completions
 are left out of the loss; bad rewards rejected."""
+
 import math
 
 import pytest
@@ -38,22 +39,41 @@ def test_no_scaling_leaves_reward_minus_group_mean():
 def test_zero_std_groups_are_counted_and_kept_by_default():
     rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5])  # groups of 2: {1, 1}, {0, 1}, {0.5, 0.5}
     result = compute_advantages(rewards, num_generations=2, scale_rewards="group")
-    assert result.frac_zero_std == pytest.approx(2 / 3)
+    assert result.frac_reward_zero_std == pytest.approx(2 / 3)
+    assert result.frac_zero_std_groups == pytest.approx(2 / 3)
     torch.testing.assert_close(result.advantages[[0, 1, 4, 5]], torch.zeros(4))
     assert result.loss_mask_seq.all()
+
+
+def test_under_batch_scaling_frac_reward_zero_std_is_trls_whole_batch_flag():
+    """TRL scales by the batch std under 'batch', so frac_reward_zero_std says whether that std is zero (1 or 0);
+    the groups without signal are still counted in frac_zero_std_groups."""
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5])
+    spread = compute_advantages(rewards, num_generations=2, scale_rewards="batch")
+    assert spread.frac_reward_zero_std == 0.0
+    assert spread.frac_zero_std_groups == pytest.approx(2 / 3)
+    flat = compute_advantages(torch.full((6,), 0.5), num_generations=2, scale_rewards="batch")
+    assert flat.frac_reward_zero_std == 1.0 and flat.frac_zero_std_groups == 1.0
+
+
+def test_without_scaling_frac_reward_zero_std_still_counts_zero_std_groups():
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5])
+    result = compute_advantages(rewards, num_generations=2, scale_rewards="none")
+    assert result.frac_reward_zero_std == pytest.approx(2 / 3)
 
 
 def test_zero_std_groups_are_left_out_of_the_loss_when_dropped():
     rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5])
     result = compute_advantages(rewards, num_generations=2, scale_rewards="group", drop_zero_std_groups=True)
     assert result.loss_mask_seq.tolist() == [False, False, True, True, False, False]
-    assert result.frac_zero_std == pytest.approx(2 / 3)
+    assert result.frac_zero_std_groups == pytest.approx(2 / 3)
 
 
 def test_truncated_completions_are_masked_but_still_count_in_the_group_statistics():
     truncated = torch.tensor([False, False, True, False, True, False])
-    result = compute_advantages(REWARDS, num_generations=3, scale_rewards="none", truncated=truncated,
-                                mask_truncated=True)
+    result = compute_advantages(
+        REWARDS, num_generations=3, scale_rewards="none", truncated=truncated, mask_truncated=True
+    )
     assert result.loss_mask_seq.tolist() == [True, True, False, True, False, True]
     torch.testing.assert_close(result.advantages, torch.tensor([-1.0, 0.0, 1.0, -2.0, -2.0, 4.0]))
 
@@ -68,8 +88,9 @@ def test_nan_reward_is_rejected_with_the_completion_indices_and_the_fix():
     rewards = torch.tensor([1.0, float("nan"), 0.0, 1.0, 0.0, float("nan")])
     with pytest.raises(ValueError) as error:
         compute_advantages(rewards, num_generations=3, scale_rewards="group")
-    assert str(error.value) == ("a reward function returned NaN for completion(s) [1, 5]; "
-                                "make it return a finite float")
+    assert str(error.value) == (
+        "a reward function returned NaN for completion(s) [1, 5]; make it return a finite float"
+    )
 
 
 def test_infinite_reward_is_rejected():

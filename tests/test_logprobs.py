@@ -1,12 +1,12 @@
 """trainer/logprobs.py: chunked logprobs equal the naive full log-softmax, shapes are checked, and the
 KL estimators estimate KL(p || q)."""
+
 import math
 
 import pytest
 import torch
 
-from trainer.logprobs import (completion_logprobs, kl_estimators, logprobs_from_hidden,
-                              selective_log_softmax)
+from trainer.logprobs import completion_logprobs, kl_estimators, logprobs_from_hidden, selective_log_softmax
 
 
 def naive_logprobs(logits, labels):
@@ -66,8 +66,9 @@ def _hidden_inputs(seed=2):
 def test_logprobs_from_hidden_equals_naive_with_temperature_and_bias(chunk_size):
     hidden, weight, bias, labels = _hidden_inputs()
     temperature = 0.7
-    got, entropy = logprobs_from_hidden(hidden, weight, labels, temperature=temperature, chunk_size=chunk_size,
-                                        lm_head_bias=bias)
+    got, entropy = logprobs_from_hidden(
+        hidden, weight, labels, temperature=temperature, chunk_size=chunk_size, lm_head_bias=bias
+    )
     expected = naive_logprobs((hidden @ weight.T + bias) / temperature, labels)
     assert entropy is None
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
@@ -94,6 +95,41 @@ def test_logprobs_from_hidden_gradient_equals_naive_gradient():
     torch.testing.assert_close(hidden_a.grad, hidden_b.grad, rtol=0, atol=1e-5)
 
 
+def test_entropy_treats_a_minus_infinity_logit_as_zero_probability_with_finite_value_and_gradient():
+    hidden, weight, _, labels = _hidden_inputs()
+    masked_bias = torch.zeros(70)
+    masked_bias[::3] = float("-inf")  # a third of the vocabulary masked out, as a logits processor does
+    labels = labels - labels % 3 + 1  # labels among the tokens left
+    hidden = hidden.clone().requires_grad_()
+    logprobs, entropy = logprobs_from_hidden(
+        hidden, weight, labels, chunk_size=5, with_entropy=True, lm_head_bias=masked_bias
+    )
+    (logprobs.sum() + entropy.sum()).backward()
+
+    kept = torch.log_softmax((hidden.detach() @ weight.T)[..., masked_bias == 0], dim=-1)
+    torch.testing.assert_close(entropy.detach(), -(kept.exp() * kept).sum(-1), rtol=0, atol=1e-5)
+    assert torch.isfinite(hidden.grad).all()
+
+
+def test_no_vocabulary_sized_tensor_is_kept_for_backward():
+    hidden, weight, _, labels = _hidden_inputs()
+    hidden = hidden.clone().requires_grad_()
+    weight = weight.clone().requires_grad_()  # full fine-tuning: the output layer trains too
+    saved_shapes = []
+
+    def pack(tensor):
+        saved_shapes.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        logprobs, entropy = logprobs_from_hidden(hidden, weight, labels, chunk_size=4, with_entropy=True)
+    (logprobs.sum() + entropy.sum()).backward()
+    vocab_size = weight.shape[0]
+    assert saved_shapes, "the chunks' inputs are saved for the recomputation"
+    assert [s for s in saved_shapes if vocab_size in s and s != tuple(weight.shape)] == []
+    assert hidden.grad is not None and weight.grad is not None
+
+
 def test_logprobs_from_hidden_rejects_hidden_and_labels_of_different_length():
     hidden, weight, _, labels = _hidden_inputs()
     with pytest.raises(ValueError, match=r"\(2, 6, 16\).*\(2, 5\)"):
@@ -107,9 +143,16 @@ def test_logprobs_from_hidden_rejects_hidden_and_labels_of_different_length():
 @pytest.fixture(scope="module")
 def tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=300, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=2, intermediate_size=256)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=256,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -117,11 +160,19 @@ def tiny_llama():
 def tiny_llama_lora():
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=300, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=2, intermediate_size=256)
-    model = get_peft_model(LlamaForCausalLM(config),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=256,
+    )
+    model = get_peft_model(
+        LlamaForCausalLM(config), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    )
     with torch.no_grad():  # LoRA's B starts at zero; make the adapter change the outputs
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -143,8 +194,8 @@ def _naive_completion_logprobs(model, input_ids, attention_mask, completion_len,
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
     length = input_ids.shape[1]
-    logits = logits[:, length - completion_len - 1:length - 1] / temperature
-    return naive_logprobs(logits, input_ids[:, length - completion_len:])
+    logits = logits[:, length - completion_len - 1 : length - 1] / temperature
+    return naive_logprobs(logits, input_ids[:, length - completion_len :])
 
 
 @pytest.mark.parametrize("which", ["plain", "lora"])
@@ -152,16 +203,18 @@ def test_completion_logprobs_equals_naive_model_logits_with_left_padding(which, 
     model = tiny_llama if which == "plain" else tiny_llama_lora
     input_ids, attention_mask = _left_padded_batch()
     with torch.no_grad():
-        got, entropy = completion_logprobs(model, input_ids, attention_mask, completion_len=4, temperature=0.8,
-                                           chunk_size=3, with_entropy=True)
+        got, entropy = completion_logprobs(
+            model, input_ids, attention_mask, completion_len=4, temperature=0.8, chunk_size=3, with_entropy=True
+        )
         expected = _naive_completion_logprobs(model, input_ids, attention_mask, 4, 0.8)
     assert got.shape == (2, 4) and entropy.shape == (2, 4)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("which", ["plain", "lora"])
-def test_completion_logprobs_never_calls_the_lm_head_on_the_whole_sequence(which, tiny_llama, tiny_llama_lora,
-                                                                          monkeypatch):
+def test_completion_logprobs_never_calls_the_lm_head_on_the_whole_sequence(
+    which, tiny_llama, tiny_llama_lora, monkeypatch
+):
     model = tiny_llama if which == "plain" else tiny_llama_lora
     input_ids, attention_mask = _left_padded_batch()
 
@@ -187,6 +240,7 @@ def test_completion_logprobs_of_a_left_padded_row_equal_those_of_the_unpadded_ro
     # GPT-2 has absolute position embeddings (RoPE models like Llama barely notice an offset), so this
     # fails unless positions are derived from the attention mask.
     from transformers import GPT2Config, GPT2LMHeadModel
+
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=300, n_positions=32, n_embd=32, n_layer=1, n_head=2)).eval()
     input_ids, attention_mask = _left_padded_batch()
@@ -227,17 +281,17 @@ def test_kl_estimators_are_the_three_schulman_formulas():
 def test_k1_and_k3_are_unbiased_estimates_of_kl_and_k3_is_never_negative():
     p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05], dtype=torch.float64)
     q = torch.tensor([0.2, 0.2, 0.2, 0.2, 0.2], dtype=torch.float64)
-    exact = _exact_kl(p, q)                      # 0.2764
+    exact = _exact_kl(p, q)  # 0.2764
     est = _sampled_estimators(p, q)
     assert abs(est["k1"].mean().item() - exact) < 0.01
     assert abs(est["k3"].mean().item() - exact) < 0.01
     assert (est["k3"] >= 0).all()
-    assert (est["k1"] < 0).any()                 # k1 is unbiased but individual samples go negative
+    assert (est["k1"] < 0).any()  # k1 is unbiased but individual samples go negative
 
 
 def test_k2_is_close_to_kl_for_nearby_distributions():
     p = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.10], dtype=torch.float64)
     q = torch.tensor([0.28, 0.26, 0.21, 0.14, 0.11], dtype=torch.float64)
-    exact = _exact_kl(p, q)                      # ~2.3e-3
+    exact = _exact_kl(p, q)  # ~2.3e-3
     est = _sampled_estimators(p, q)
     assert abs(est["k2"].mean().item() - exact) < 0.05 * exact

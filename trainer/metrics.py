@@ -1,59 +1,271 @@
-"""Every metric a step reports: its name, and what it means. This table is the documentation
-(`ballast metrics` prints it); `tests/test_trainer.py` checks that a step reports exactly these names.
+"""Every metric a step reports: its name, what it means, and how it is computed from the step's tensors.
+The table is the documentation (`ballast metrics` prints it); tests/test_metrics_names.py checks that a real
+step reports exactly these names.
 
-Names follow TRL's GRPOTrainer where TRL has one, so dashboards read the same. A step is one batch of
-rollouts (prompts_per_step × num_generations completions) and the num_iterations optimizer updates
-made on it; values that the updates produce are averaged over them. Token-level values are means
-over completion tokens that count in the loss; `rewards/<fn>/mean` appears once per reward function.
+Names follow TRL's GRPOTrainer where TRL has one, with TRL's meaning, so dashboards read the same. A step
+is one batch of rollouts (prompts_per_step × num_generations completions) and the num_iterations optimizer
+updates made on it; values the updates produce are computed over the whole batch for each update and
+averaged over the updates. "Loss tokens" are the completion tokens that count in the loss (truncated
+completions with mask_truncated_completions and dropped zero-std groups left out); a mean over none is NaN.
+The functions below take whole-batch tensors, never one micro-batch's, so no value depends on
+optim.gradient_accumulation_steps. They only call methods of the tensors they are given: importing this
+file does not import torch, so `ballast metrics` and sweep-file checks stay fast.
 """
+
 from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from trainer.config import RolloutCorrectionConfig
+    from trainer.loss import Correction, LossTerms
 
 METRICS: dict[str, str] = {
     "step": "Step number, counting from 1; a resumed run continues the count.",
+    "num_tokens": "Prompt and completion tokens of all steps so far (TRL's), cumulative over a resumed run.",
     "reward": "Mean total (weighted) reward of the step's completions.",
-    "reward_std": "Mean over groups of the reward's standard deviation within the group.",
+    "reward_std": "Standard deviation (unbiased) of the total reward over all the step's completions (TRL's).",
     "rewards/<fn>/mean": "Mean of one reward function's (unweighted) score.",
-    "frac_reward_zero_std": "Share of groups whose completions all got the same reward (no learning signal).",
+    "rewards/<fn>/std": "Standard deviation (unbiased) of one reward function's score over the step's completions.",
+    "frac_reward_zero_std": "Share of completions whose advantage was scaled by a zero reward std (TRL's): with "
+    "scale_rewards group or none, those in groups whose rewards are all equal; with batch, "
+    "1 when all the step's rewards are equal, else 0.",
     "completions/mean_length": "Mean completion length in tokens.",
     "completions/min_length": "Shortest completion, tokens.",
     "completions/max_length": "Longest completion, tokens.",
     "completions/clipped_ratio": "Share of completions that hit rollout.max_tokens (truncated).",
-    "completions/mean_terminated_length": "Mean length of completions that ended with an end token or stop string.",
-    "kl": "Mean per-token KL(policy || reference), k3 estimator (as TRL's 'kl'); 0 when beta = 0.",
+    "completions/mean_terminated_length": "Mean length of completions that ended with an end token or stop string "
+    "(0 when none did).",
+    "completions/min_terminated_length": "Shortest of those (0 when none).",
+    "completions/max_terminated_length": "Longest of those (0 when none).",
+    "kl": "Mean per-token KL(policy || reference) over loss tokens, k3 estimator (as TRL's 'kl'); 0 when beta = 0.",
     "kl/k1": "Mean of log pi - log pi_ref (unbiased, can be negative per token).",
     "kl/k2": "Mean of (log pi - log pi_ref)^2 / 2.",
     "kl/k3": "Mean of exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1 (unbiased, non-negative).",
-    "entropy": "Mean per-token entropy of the policy at the sampling temperature.",
-    "clip_ratio/low_mean": "Share of tokens whose ratio fell below 1 - epsilon with negative advantage (clipped).",
-    "clip_ratio/high_mean": "Share of tokens whose ratio rose above 1 + epsilon_high with positive advantage (clipped).",
-    "clip_ratio/region_mean": "Share of tokens clipped either way.",
-    "loss": "The GRPO loss of the step (mean over its updates).",
+    "entropy": "Mean per-token entropy of the policy at the sampling temperature over loss tokens, before the "
+    "step's first update.",
+    "clip_ratio/low_mean": "Share of loss tokens (of sequences, with importance_sampling_level: sequence) whose ratio "
+    "fell below 1 - epsilon with negative advantage (clipped).",
+    "clip_ratio/low_min": "Smallest per-completion share of tokens clipped low (the sequence's own flag at "
+    "sequence level).",
+    "clip_ratio/high_mean": "Share of loss tokens (or sequences) whose ratio rose above 1 + epsilon_high with positive "
+    "advantage (clipped).",
+    "clip_ratio/high_max": "Largest per-completion share of tokens clipped high.",
+    "clip_ratio/region_mean": "Share of loss tokens (or sequences) clipped either way.",
+    "policy_ratio/mean": "Mean pi_theta / pi_old over loss tokens, the ratio that is clipped; pi_old is the trainer's "
+    "own, so it is exactly 1 on the first update of a batch.",
+    "loss": "The GRPO loss of the whole batch (mean over the step's updates).",
     "grad_norm": "Gradient norm before clipping (mean over the step's updates).",
     "learning_rate": "Learning rate of the step's last update.",
     "step_time": "Wall seconds of the whole step.",
-    "tokens_per_second": "Completion tokens generated per wall second of the step.",
-    "time/rollout": "Seconds generating completions (including weight sync).",
+    "tokens_per_second": "Completion tokens trained on per wall second of the step (generated in it when synchronous).",
+    "time/rollout": "Seconds the step spent getting its batch: the weight sync, then generating it or (with "
+    "rollout.max_off_policy_steps) waiting for the one generated ahead.",
+    "time/generate": "Seconds the engine took to generate the step's batch, wherever that time fell (with "
+    "rollout.max_off_policy_steps, mostly while an earlier step trained).",
     "time/reward": "Seconds scoring completions.",
-    "time/logprobs": "Seconds computing old and reference logprobs outside the update.",
+    "time/logprobs": "Seconds computing reference logprobs outside the update.",
     "time/update": "Seconds in forward, backward and optimizer steps.",
-    "is/frac_old_logprobs_valid": "Share of completion tokens that had a finite old (behaviour) logprob. Below 1 means importance sampling is partly off.",
-    "is/mean_importance_ratio": "Mean pi_theta / pi_old over tokens (1 on the first update of an on-policy batch).",
-    "is/clip_fraction": "Share of tokens whose ratio was clipped (same as clip_ratio/region_mean).",
-    "rollout/logprob_diff_mean": "Mean |engine logprob - trainer logprob| of the sampled tokens before the update. Near 0 when the engine samples the trainer's weights. NaN when the engine returns no logprobs (vLLM with penalties or truncation, with grpo.old_logprobs: recompute).",
-    "rollout/logprob_diff_max": "Max of the same. Large values mean a stale or double-applied adapter, or mismatched precision.",
+    "sampling/frac_logprobs_valid": "Share of completion tokens for which the rollout engine gave a finite logprob. "
+    "Below 1 the sampling metrics cover only those tokens, and a step with "
+    "grpo.rollout_correction mode tis or mis fails.",
+    "sampling/sampling_logp_difference/mean": "Mean |engine logprob - trainer logprob (pi_old)| of the sampled tokens "
+    "(TRL's name). Near 0 when the engine samples the trainer's weights; NaN "
+    "when the engine gives no logprobs.",
+    "sampling/sampling_logp_difference/max": "Max of the same. Large values mean a stale or double-applied adapter, "
+    "mismatched precision, or rollouts from an older policy.",
+    "sampling/importance_sampling_ratio/min": "Smallest rollout-correction weight pi_old / pi_engine over loss tokens "
+    "(over sequences at level sequence), after the bounds of "
+    "grpo.rollout_correction (TRL's name; mis-masked ones count as 0). "
+    "With mode off: the ratio itself, not applied.",
+    "sampling/importance_sampling_ratio/mean": "Mean of the same weights.",
+    "sampling/importance_sampling_ratio/max": "Largest of the same weights.",
+    "sampling/truncated_fraction": "Share of loss tokens whose weight tis moved to a bound (0 unless mode tis).",
+    "sampling/masked_fraction": "Share of loss tokens that mis left out of the loss (0 unless mode mis).",
+    "sampling/staleness/mean": "Mean over the step's completions of the policy versions (finished steps) between "
+    "the weights that sampled each and pi_old, the weights it trains (0: synchronous; at "
+    "most rollout.max_off_policy_steps).",
+    "sampling/staleness/max": "The largest of the same.",
     "health/ngram_repetition": "Mean share of repeated 3-grams within each completion (repetition collapse).",
     "health/unique_token_ratio": "Mean distinct/total tokens within each completion.",
     "health/garbage_ratio": "Share of completions classified as non-text garbage.",
-    "advantages/frac_masked": "Share of completions left out of the loss (truncated with mask_truncated_completions, or zero-std groups dropped).",
-    "eval/reward": "Mean reward of the held-out set, decoded as a standalone user would (logged every eval.every steps).",
+    # reward hacking (trainer/health.py); NaN where there is nothing to read yet, and NaN is not sent to MLflow
+    "hacking/length_reward_corr": "Correlation of completion length (tokens) and total reward within the step's "
+    "groups, pooled (each value minus its group's mean, all groups together, so a group "
+    "weighs by its spread); near 1: the reward pays length. NaN when no group has spread "
+    "in both.",
+    "hacking/length_reward_corr_trend": "Change of hacking/length_reward_corr across the last health.trend_window "
+    "steps (a least-squares line through the steps that have one; NaN below 3): "
+    "rising, the reward is coming to pay length.",
+    "hacking/group_diversity": "How little the completions of a prompt share, mean over groups: distinct token 3-grams "
+    "of the group over the sum of each completion's own, rescaled so 0 = all the same text "
+    "and 1 = no 3-gram shared.",
+    "hacking/correctness_rise": "Change of the correctness reward's mean (eval.reward, or the first correctness "
+    "reward) across the last health.trend_window steps, from a least-squares line; "
+    "negative: correctness falls. NaN without a correctness reward or before the window "
+    "is full.",
+    "hacking/other_reward_rise": "The same change for the other paying reward component that rose most (one with a "
+    "negative weight counts as rising when it falls), in its own units. NaN without such "
+    "a component or before the window is full.",
+    "hacking/train_reward_rise": "Change of the mean training reward (over the steps since the previous eval point) "
+    "across the last health.divergence_window eval points; NaN except at eval steps "
+    "(eval.every; without it, always) and before that many eval points.",
+    "hacking/eval_rise": "Change of the held-out score (eval/accuracy, or eval/reward without a correctness reward) "
+    "across the same eval points; NaN where hacking/train_reward_rise is.",
+    "advantages/frac_masked": "Share of completions left out of the loss (truncated with mask_truncated_completions, "
+    "or zero-std groups dropped).",
+    "advantages/frac_zero_std_groups": "Share of groups whose rewards are all equal (no learning signal), whatever "
+    "scale_rewards is.",
+    "eval/reward": "Mean reward of the held-out set, decoded as a standalone user would (logged every eval.every "
+    "steps).",
     "eval/accuracy": "Share of held-out prompts whose exact_answer reward is 1.",
     "eval/mean_length": "Mean completion length in tokens on the held-out set.",
+    # the judge reward (trainer/judge.py), when rewards has one: its last training batch's scoring, per step
+    "judge/groups": "Groups (the completions of one prompt) the judge scored, from the cache or the endpoint.",
+    "judge/requests": "HTTP requests sent to the judge endpoint, retries included.",
+    "judge/retries": "Requests that were retries after a failed attempt.",
+    "judge/failures": "Failed attempts: timeouts, connection errors, HTTP 408/429/5xx, malformed answers.",
+    "judge/groups_zeroed": "Groups scored 0 after the retries failed (on_failure: zero); with on_failure: fail the "
+    "step fails instead.",
+    "judge/cache_hits": "Groups answered from the judge cache (no request; a resumed run's repeated steps).",
+    "judge/latency_mean": "Mean wall seconds of a judge request (failed attempts included); 0 without requests.",
+    "judge/latency_max": "Longest judge request, seconds.",
+    "judge/tokens_in": "Prompt tokens the judge endpoint reported (usage.prompt_tokens), summed.",
+    "judge/tokens_out": "Completion tokens the judge endpoint reported (usage.completion_tokens), summed.",
+    "judge/cost": "Price of the step's judge tokens (price_in_per_1k, price_out_per_1k); only when a price is set.",
 }
+
+PER_REWARD = ("mean", "std")  # rewards/<fn>/<stat>
 
 
 def describe(name: str) -> str:
     if name in METRICS:
         return METRICS[name]
-    if name.startswith("rewards/") and name.endswith("/mean"):
-        return METRICS["rewards/<fn>/mean"]
+    head, _, stat = name.rpartition("/")
+    if head.startswith("rewards/") and stat in PER_REWARD:
+        return METRICS[f"rewards/<fn>/{stat}"]
     raise KeyError(f"undocumented metric {name!r}; add it to trainer/metrics.py")
+
+
+# ---------------------------------------------------------------------------------------------------
+# How each is computed. Inputs are the whole step's: completions [B], tokens [B, T] with masks [B, T].
+
+
+def _std(values: Sequence[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else 0.0  # unbiased, as TRL's nanstd
+
+
+def _masked_mean(values: Tensor, mask: Tensor) -> float:
+    n = mask.sum()
+    return float((values * mask).sum() / n) if n > 0 else math.nan
+
+
+def reward_metrics(
+    total: Sequence[float], parts: dict[str, Sequence[float]], frac_reward_zero_std: float, frac_zero_std_groups: float
+) -> dict[str, float]:
+    m = {"reward": float(sum(total) / len(total)), "reward_std": _std(total)}
+    for name, values in parts.items():
+        m[f"rewards/{name}/mean"] = float(sum(values) / len(values))
+        m[f"rewards/{name}/std"] = _std(values)
+    m["frac_reward_zero_std"] = frac_reward_zero_std
+    m["advantages/frac_zero_std_groups"] = frac_zero_std_groups
+    return m
+
+
+def completion_metrics(lengths: Sequence[int], finish_reasons: Sequence[str]) -> dict[str, float]:
+    terminated = [n for n, r in zip(lengths, finish_reasons) if r == "stop"] or [0]
+    return {
+        "completions/mean_length": float(sum(lengths) / len(lengths)),
+        "completions/min_length": float(min(lengths)),
+        "completions/max_length": float(max(lengths)),
+        "completions/clipped_ratio": sum(r == "length" for r in finish_reasons) / len(finish_reasons),
+        "completions/mean_terminated_length": float(sum(terminated) / len(terminated)),
+        "completions/min_terminated_length": float(min(terminated)),
+        "completions/max_terminated_length": float(max(terminated)),
+    }
+
+
+def update_metrics(terms: LossTerms, loss_mask: Tensor, level: str) -> dict[str, float]:
+    """clip_ratio/*, policy_ratio/mean and kl/* of one update over the whole batch (TRL's definitions)."""
+    mask = loss_mask.float()
+    per_seq = mask.sum(dim=1)
+    has = per_seq > 0
+
+    def share(flags: Tensor) -> tuple[float, Tensor]:
+        seq_share = (flags.float() * mask).sum(dim=1)[has] / per_seq[has]  # per completion with loss tokens
+        if level == "sequence":  # one flag per sequence
+            return (float(seq_share.mean()) if seq_share.numel() else math.nan), seq_share
+        return _masked_mean(flags.float(), mask), seq_share
+
+    low, low_seq = share(terms.clipped_low)
+    high, high_seq = share(terms.clipped_high)
+    region, _ = share(terms.clipped_low | terms.clipped_high)
+    m = {
+        "clip_ratio/low_mean": low,
+        "clip_ratio/high_mean": high,
+        "clip_ratio/region_mean": region,
+        "clip_ratio/low_min": float(low_seq.min()) if low_seq.numel() else math.nan,
+        "clip_ratio/high_max": float(high_seq.max()) if high_seq.numel() else math.nan,
+        "policy_ratio/mean": _masked_mean(terms.ratio, mask),
+    }
+    if terms.kl is not None:
+        for name in ("k1", "k2", "k3"):
+            m[f"kl/{name}"] = _masked_mean(terms.kl[name], mask)
+        m["kl"] = m["kl/k3"]
+    else:
+        m.update({"kl": 0.0, "kl/k1": 0.0, "kl/k2": 0.0, "kl/k3": 0.0})
+    return m
+
+
+def entropy_metric(entropy: Tensor, loss_mask: Tensor) -> dict[str, float]:
+    return {"entropy": _masked_mean(entropy, loss_mask.float())}
+
+
+def sampling_metrics(
+    old_logprobs: Tensor,
+    engine_logprobs: Tensor,
+    token_mask: Tensor,
+    loss_mask: Tensor,
+    corr: Correction,
+    cfg: RolloutCorrectionConfig,
+    staleness: Sequence[int],
+) -> dict[str, float]:
+    """Engine vs trainer: the logprob difference over every completion token the engine gave a logprob for;
+    the correction `corr` (loss.rollout_correction over loss_mask): weights, truncated and masked shares over
+    loss tokens; `staleness`, each completion's versions behind pi_old."""
+    valid = engine_logprobs.isfinite() & token_mask.bool()
+    n_tokens = int(token_mask.sum())
+    diff = (old_logprobs - engine_logprobs).abs()[valid]
+    m = {
+        "sampling/frac_logprobs_valid": float(valid.sum()) / max(n_tokens, 1),
+        "sampling/sampling_logp_difference/mean": float(diff.mean()) if diff.numel() else math.nan,
+        "sampling/sampling_logp_difference/max": float(diff.max()) if diff.numel() else math.nan,
+        "sampling/staleness/mean": statistics.fmean(staleness),
+        "sampling/staleness/max": float(max(staleness)),
+    }
+    scored = loss_mask.bool() & valid
+    weights = corr.ratio if cfg.mode == "off" else corr.weight
+    if cfg.level == "sequence":
+        weights = weights[:, 0][scored.any(dim=1)]
+    else:
+        weights = weights[scored]
+    m["sampling/importance_sampling_ratio/min"] = float(weights.min()) if weights.numel() else math.nan
+    m["sampling/importance_sampling_ratio/mean"] = float(weights.mean()) if weights.numel() else math.nan
+    m["sampling/importance_sampling_ratio/max"] = float(weights.max()) if weights.numel() else math.nan
+    m["sampling/truncated_fraction"] = _masked_mean(corr.truncated.float(), loss_mask.float())
+    m["sampling/masked_fraction"] = _masked_mean(corr.masked.float(), loss_mask.float())
+    return m
+
+
+def mean_over_updates(per_update: list[dict[str, float]]) -> dict[str, float]:
+    """Average each value over the step's updates (NaN only if every update's is NaN)."""
+    out: dict[str, float] = {}
+    for name in per_update[0]:
+        values = [u[name] for u in per_update if not math.isnan(u[name])]
+        out[name] = sum(values) / len(values) if values else math.nan
+    return out
