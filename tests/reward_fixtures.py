@@ -1,4 +1,7 @@
-"""User reward functions for tests/test_rewards.py, resolved as 'tests.reward_fixtures:<name>'."""
+"""User reward functions for the tests (tests/test_rewards.py, tests/test_hacking_alarms.py), resolved as
+'tests.reward_fixtures:<name>'."""
+
+import re
 
 
 def length_bonus(completions, answers, prompts, scale=1.0):
@@ -9,7 +12,7 @@ def group_best(completions, answers, prompts, group_size=2):
     """A judge-style reward: 1.0 for the longest completion of each contiguous group."""
     out = []
     for g in range(0, len(completions), group_size):
-        group = completions[g:g + group_size]
+        group = completions[g : g + group_size]
         best = max(range(len(group)), key=lambda i: len(group[i]))
         out.extend(1.0 if i == best else 0.0 for i in range(len(group)))
     return out
@@ -40,3 +43,23 @@ def positional_only(c, a, p):
 
 
 NOT_A_FUNCTION = 3
+
+
+def raises_on_call(completions, answers, prompts):
+    return [float(answers[i]["score"]) for i in range(len(completions))]  # answers are strings: TypeError
+
+
+def starts_with_answer(completions, answers, prompts):
+    return [1.0 if c.startswith(a) else 0.0 for c, a in zip(completions, answers)]
+
+
+starts_with_answer.correctness = True
+
+
+# --- rewards that can be gamed (tests/test_hacking_alarms.py) ------------------------------------
+
+
+def two_digit_format(completions, answers, prompts):
+    """A format check with a loophole: it pays <output>N</output> with one or two digits, whatever the answer (its
+    author thought every sum has two digits), so the policy learns to cut three-digit sums short."""
+    return [1.0 if re.fullmatch(r"\s*<output>\d{1,2}</output>\s*", c) else 0.0 for c in completions]

@@ -4,6 +4,7 @@ identity and fingerprints behave; bad paths fail with the fix in the message.
 The model is built once for the module with a short warm-up (these tests check mechanics, not accuracy;
 the full recipe's accuracy is recorded in each build's ballast_build.json).
 """
+
 import json
 
 import pytest
@@ -12,8 +13,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trainer.config import LoraConfig, ModelConfig
 from trainer.data import render_prompt
-from trainer.model import (BUILD_RECORD, build_tiny_arith, compare_fingerprint, ensure_model, load_policy,
-                           load_tokenizer, logprob_fingerprint, model_identity, resolve_device)
+from trainer.model import (
+    compare_fingerprint,
+    ensure_model,
+    load_policy,
+    load_tokenizer,
+    logprob_fingerprint,
+    model_identity,
+    resolve_device,
+)
+from trainer.tiny import BUILD_RECORD, build_tiny_arith
 
 CPU = torch.device("cpu")
 LORA = LoraConfig(r=4, alpha=8)
@@ -43,14 +52,23 @@ def logits(model, tokenizer) -> torch.Tensor:
 
 # ── the built directory is an ordinary Hugging Face model ──────────────────────────────────────────
 
+
 def test_build_writes_a_hugging_face_directory_and_its_record(tiny):
     names = {p.name for p in tiny.iterdir()}
-    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "special_tokens_map.json", BUILD_RECORD} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        BUILD_RECORD,
+    } <= names
     record = json.loads((tiny / BUILD_RECORD).read_text())
     assert record["seed"] == 0 and record["max_warmup_steps"] == 30 and 1 <= record["warmup_steps_done"] <= 30
     assert record["held_out_prompts"] == 64
-    assert {"accuracy", "format_rate"} <= set(record["greedy"]) and {"accuracy", "format_rate"} <= set(record["sampled_t1"])
+    assert {"accuracy", "format_rate"} <= set(record["greedy"])
+    assert {"accuracy", "format_rate"} <= set(record["sampled_t1"])
 
 
 def test_loads_through_auto_classes_with_llama_head_dim_64(tiny):
@@ -74,7 +92,8 @@ def test_tokenizer_pads_left_and_has_pad_bos_eos(tiny):
 def test_chat_template_renders_user_turn_generation_prompt_and_eos(tiny):
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     user = [{"role": "user", "content": "23+58"}]
-    assert tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=False) == "<s><|user|>23+58<|assistant|>"
+    rendered = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
+    assert rendered == "<s><|user|>23+58<|assistant|>"
     turn = user + [{"role": "assistant", "content": "<output>81</output>"}]
     assert tokenizer.apply_chat_template(turn, tokenize=False) == "<s><|user|>23+58<|assistant|><output>81</output></s>"
     ids = render_prompt(tokenizer, "23+58")
@@ -90,6 +109,7 @@ def test_decode_round_trips_ascii_byte_for_byte(tiny):
 
 
 # ── policies and adapters ──────────────────────────────────────────────────────────────────────────
+
 
 def test_lora_policy_trains_only_lora_weights(tiny):
     model, tokenizer = load_policy(model_cfg(tiny), LORA)
@@ -124,6 +144,7 @@ def test_adapter_dir_without_adapter_config_is_refused_by_name(tiny, tmp_path):
 
 # ── identity and fingerprint ───────────────────────────────────────────────────────────────────────
 
+
 def test_fingerprint_is_stable_across_reloads(tiny):
     model, tokenizer = load_policy(model_cfg(tiny), LORA)
     fingerprint = logprob_fingerprint(model, tokenizer, CPU)
@@ -152,9 +173,12 @@ def test_model_identity_hashes_config_and_weights(tiny):
 
 # ── building: deterministic, atomic, on demand ─────────────────────────────────────────────────────
 
+
 def test_build_is_deterministic_for_a_seed_and_differs_across_seeds(tmp_path):
-    a, b, c = (build_tiny_arith(tmp_path / name, seed=seed, warmup_steps=2, progress=False)
-               for name, seed in [("a", 0), ("b", 0), ("c", 1)])
+    a, b, c = (
+        build_tiny_arith(tmp_path / name, seed=seed, warmup_steps=2, progress=False)
+        for name, seed in [("a", 0), ("b", 0), ("c", 1)]
+    )
     hashes = [model_identity(model_cfg(p))["weights_sha256"] for p in (a, b, c)]
     assert hashes[0] == hashes[1] != hashes[2]
 
@@ -178,7 +202,7 @@ def test_ensure_model_builds_only_when_missing(tmp_path, monkeypatch):
         built.append(path)
         return build_tiny_arith(path, warmup_steps=1, progress=False)
 
-    monkeypatch.setattr("trainer.model.build_tiny_arith", short_build)
+    monkeypatch.setattr("trainer.tiny.build_tiny_arith", short_build)
     cfg = ModelConfig(name_or_path=str(tmp_path / "m"), build_if_missing="tiny-arith")
     assert ensure_model(cfg) == cfg.name_or_path and (tmp_path / "m" / "config.json").is_file()
     assert ensure_model(cfg) == cfg.name_or_path and len(built) == 1
@@ -188,10 +212,14 @@ def test_ensure_model_builds_only_when_missing(tmp_path, monkeypatch):
 
 # ── errors and devices ─────────────────────────────────────────────────────────────────────────────
 
+
 def test_missing_path_is_a_value_error_that_says_how_to_fix_it(tmp_path):
     missing = str(tmp_path / "no-such-model")
-    with pytest.raises(ValueError, match=r"model.name_or_path='.*no-such-model' is neither a local directory .*"
-                                         r"build_if_missing: tiny-arith or point to a downloaded model directory"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.name_or_path='.*no-such-model' is neither a local directory .*"
+        r"build_if_missing: tiny-arith or point to a downloaded model directory",
+    ):
         load_policy(model_cfg(missing), LORA)
     with pytest.raises(ValueError, match="is neither a local directory"):
         load_tokenizer(missing)
@@ -211,6 +239,7 @@ def test_resolve_device():
 
 def test_a_tiny_model_from_an_earlier_recipe_is_used_with_a_warning_saying_how_to_rebuild(tiny, tmp_path):
     import shutil
+
     old = tmp_path / "old"
     shutil.copytree(tiny, old)
     record = json.loads((old / BUILD_RECORD).read_text())
@@ -219,3 +248,115 @@ def test_a_tiny_model_from_an_earlier_recipe_is_used_with_a_warning_saying_how_t
     cfg = ModelConfig(name_or_path=str(old), build_if_missing="tiny-arith", device="cpu")
     with pytest.warns(UserWarning, match="built by an earlier recipe .* delete the directory and run again"):
         assert ensure_model(cfg) == str(old)
+
+
+# ── the knobs real-model users expect ──────────────────────────────────────────────────────────────
+
+LLAMA_LINEAR = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+
+
+def test_dtype_auto_is_float32_on_cpu_and_an_explicit_dtype_is_what_loads(tiny):
+    auto, _ = load_policy(model_cfg(tiny), LORA, trainable=False)
+    bf16, _ = load_policy(ModelConfig(name_or_path=str(tiny), device="cpu", dtype="bfloat16"), LORA, trainable=False)
+    assert next(auto.parameters()).dtype == torch.float32
+    assert next(bf16.get_base_model().parameters()).dtype == torch.bfloat16
+
+
+def test_attention_implementation_is_sdpa_by_default_and_eager_on_request(tiny):
+    sdpa, _ = load_policy(model_cfg(tiny), LoraConfig(enabled=False), trainable=False)
+    eager, _ = load_policy(
+        ModelConfig(name_or_path=str(tiny), device="cpu", attn_implementation="eager"),
+        LoraConfig(enabled=False),
+        trainable=False,
+    )
+    assert (sdpa.config._attn_implementation, eager.config._attn_implementation) == ("sdpa", "eager")
+    with torch.no_grad():
+        ids = torch.tensor([render_prompt(AutoTokenizer.from_pretrained(tiny), "23+58")])
+        torch.testing.assert_close(sdpa(input_ids=ids).logits, eager(input_ids=ids).logits, rtol=0, atol=1e-5)
+
+
+def test_an_attention_implementation_that_cannot_run_is_refused_naming_the_field(tiny):
+    cfg = ModelConfig(name_or_path=str(tiny), device="cpu", attn_implementation="no_such_attention")
+    with pytest.raises(
+        ValueError,
+        match=r"^model.attn_implementation='no_such_attention' cannot be used here .*"
+        r"use sdpa \(the default\) or eager$",
+    ):
+        load_policy(cfg, LORA)
+
+
+def test_gradient_checkpointing_applies_to_a_trainable_policy_only(tiny):
+    cfg = ModelConfig(name_or_path=str(tiny), device="cpu", gradient_checkpointing=True)
+    trainable, _ = load_policy(cfg, LORA)
+    frozen, _ = load_policy(cfg, LORA, trainable=False)
+    plain, _ = load_policy(model_cfg(tiny), LORA)
+    assert trainable.is_gradient_checkpointing and not frozen.is_gradient_checkpointing
+    assert not plain.is_gradient_checkpointing
+
+
+def test_torch_threads_sets_the_intra_op_thread_count(tiny):
+    before = torch.get_num_threads()
+    try:
+        load_policy(ModelConfig(name_or_path=str(tiny), device="cpu", torch_threads=1), LORA, trainable=False)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_lora_targets_every_linear_layer_but_the_output_layer_by_default(tiny, tmp_path):
+    model, _ = load_policy(model_cfg(tiny), LORA)
+    assert LoraConfig().target_modules == "all-linear"
+    assert sorted(model.peft_config["default"].target_modules) == LLAMA_LINEAR
+    model.save_pretrained(tmp_path / "adapter")
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert sorted(saved["target_modules"]) == LLAMA_LINEAR  # short names, as vLLM and every peft read them
+    assert not any("lm_head" in name for name, _ in model.named_parameters() if "lora_" in name)
+
+
+def test_a_target_module_the_model_lacks_is_refused_naming_lora_target_modules(tiny):
+    with pytest.raises(
+        ValueError,
+        match=r"^lora.target_modules: 'qkv_proj' not in this LlamaForCausalLM; its linear "
+        r"layers are down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj",
+    ):
+        load_policy(model_cfg(tiny), LoraConfig(target_modules=["q_proj", "qkv_proj"]))
+
+
+def test_model_device_cuda_on_a_machine_without_cuda_is_refused_naming_the_field():
+    if torch.cuda.is_available():
+        assert resolve_device("cuda") == torch.device("cuda")
+        return
+    with pytest.raises(
+        ValueError,
+        match=r"^model.device='cuda' but this machine has no CUDA GPU .* set model.device: "
+        r"auto \(or cpu\)$",
+    ):
+        resolve_device("cuda")
+
+
+def test_a_wrong_device_fails_before_a_missing_model_is_built(tmp_path):
+    if torch.cuda.is_available():
+        return  # every device name below exists on this machine
+    cfg = ModelConfig(name_or_path=str(tmp_path / "never-built"), build_if_missing="tiny-arith", device="cuda:0")
+    with pytest.raises(ValueError, match="model.device='cuda:0'"):
+        ensure_model(cfg)
+    assert not (tmp_path / "never-built").exists()
+
+
+def test_a_full_fine_tune_saved_with_its_tokenizer_reloads_as_the_same_policy(tiny, tmp_path):
+    model, tokenizer = load_policy(model_cfg(tiny), LoraConfig(enabled=False))
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(1.5)  # a trained model differs from its base
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")  # what a full fine-tune's checkpoint holds
+    reloaded, reloaded_tokenizer = load_policy(
+        model_cfg(tmp_path / "model"), LoraConfig(enabled=False), trainable=False
+    )
+    model.eval()
+    assert torch.equal(logits(model, tokenizer), logits(reloaded, reloaded_tokenizer))
+    assert render_prompt(reloaded_tokenizer, "23+58") == render_prompt(tokenizer, "23+58")
+    assert (reloaded_tokenizer.eos_token, reloaded_tokenizer.pad_token, reloaded_tokenizer.padding_side) == (
+        "</s>",
+        "<pad>",
+        "left",
+    )

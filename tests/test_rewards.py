@@ -1,8 +1,17 @@
 """trainer/rewards.py: the built-in rewards, resolving 'module:function', and RewardComputer."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
+from tasks.spec import SpecError, load_spec
 from trainer.config import RewardConfig
-from trainer.rewards import REGISTRY, RewardComputer, register, resolve
+from trainer.rewards import REGISTRY, RewardComputer, RewardError, check_rewards, is_correctness, register, resolve
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def score(name: str, completions: list[str], answers: list[str] | None = None, **kwargs) -> list[float]:
@@ -12,6 +21,7 @@ def score(name: str, completions: list[str], answers: list[str] | None = None, *
 
 
 # --- built-ins ------------------------------------------------------------------------------
+
 
 def test_exact_answer_compares_stripped_tag_content():
     completions = ["<output>81</output>", "<output> 81 \n</output>", "<output>18</output>", "81", "<output>81"]
@@ -61,6 +71,7 @@ def test_repetition_penalty_on_chars():
 
 # --- resolve --------------------------------------------------------------------------------
 
+
 def test_user_function_by_module_and_name_gets_its_kwargs():
     fn = resolve(RewardConfig(name="tests.reward_fixtures:length_bonus", kwargs={"scale": 0.5}))
     assert fn(completions=["abcd", ""], answers=["", ""], prompts=["", ""]) == [2.0, 0.0]
@@ -74,13 +85,19 @@ def test_trl_style_user_function_finds_answers_in_kwargs():
 def test_unknown_module_names_the_spec_and_the_fix():
     with pytest.raises(ValueError) as e:
         resolve(RewardConfig(name="no_such_module_xyz:bar"), index=2)
-    assert str(e.value).startswith("rewards[2].name='no_such_module_xyz:bar': module 'no_such_module_xyz' not found; "
-                                   "give a built-in (exact_answer, ")
+    assert str(e.value).startswith(
+        "rewards[2].name='no_such_module_xyz:bar': module 'no_such_module_xyz' not found; "
+        "give a built-in (exact_answer, "
+    )
     assert "importable module:function" in str(e.value)
 
 
 def test_missing_function_is_named():
-    with pytest.raises(ValueError, match=r"rewards\[0\]\.name='tests.reward_fixtures:nope': module 'tests.reward_fixtures' has no attribute 'nope'"):
+    with pytest.raises(
+        ValueError,
+        match=r"rewards\[0\]\.name='tests.reward_fixtures:nope': "
+        r"module 'tests.reward_fixtures' has no attribute 'nope'",
+    ):
         resolve(RewardConfig(name="tests.reward_fixtures:nope"), index=0)
 
 
@@ -90,12 +107,16 @@ def test_non_callable_is_rejected():
 
 
 def test_unknown_builtin_suggests_the_close_one():
-    with pytest.raises(ValueError, match=r"rewards\[1\]\.name='exact_anwser' is not a built-in reward; did you mean 'exact_answer'\?"):
+    with pytest.raises(
+        ValueError, match=r"rewards\[1\]\.name='exact_anwser' is not a built-in reward; did you mean 'exact_answer'\?"
+    ):
         resolve(RewardConfig(name="exact_anwser"), index=1)
 
 
 def test_misspelled_kwarg_is_rejected_before_any_rollout():
-    with pytest.raises(ValueError, match=r"rewards\[0\]: 'exact_answer' cannot be called with kwargs=\{'tga': 'answer'\}"):
+    with pytest.raises(
+        ValueError, match=r"rewards\[0\]: 'exact_answer' cannot be called with kwargs=\{'tga': 'answer'\}"
+    ):
         resolve(RewardConfig(name="exact_answer", kwargs={"tga": "answer"}), index=0)
 
 
@@ -131,6 +152,7 @@ def test_register_adds_a_builtin_and_refuses_a_duplicate():
 
 # --- RewardComputer -------------------------------------------------------------------------
 
+
 def test_total_is_the_weighted_sum_and_components_are_raw():
     rc = RewardComputer([RewardConfig(name="exact_answer", weight=2.0), RewardConfig(name="format", weight=0.5)])
     total, parts = rc(["<output>81</output>", "x <output>81</output>", "81"], ["81"] * 3, ["23+58"] * 3)
@@ -144,8 +166,13 @@ def test_component_name_of_user_function_is_the_function_name():
 
 
 def test_duplicate_names_get_their_index():
-    rc = RewardComputer([RewardConfig(name="format"), RewardConfig(name="exact_answer"),
-                         RewardConfig(name="format", kwargs={"tag": "answer"})])
+    rc = RewardComputer(
+        [
+            RewardConfig(name="format"),
+            RewardConfig(name="exact_answer"),
+            RewardConfig(name="format", kwargs={"tag": "answer"}),
+        ]
+    )
     assert rc.names == ["format_0", "exact_answer", "format_2"]
     _, parts = rc(["<answer>1</answer>"], ["1"], ["p"])
     assert parts == {"format_0": [0.0], "exact_answer": [0.0], "format_2": [1.0]}
@@ -159,7 +186,10 @@ def test_judge_style_reward_scores_contiguous_groups():
 
 def test_nan_is_rejected_naming_function_and_completion():
     rc = RewardComputer([RewardConfig(name="tests.reward_fixtures:nan_for_fourth")])
-    with pytest.raises(ValueError, match=r"^reward 'nan_for_fourth' returned nan for completion 3; reward functions must return finite floats$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^reward 'nan_for_fourth' returned nan for completion 3; reward functions must return finite floats$",
+    ):
         rc(["a"] * 5, [""] * 5, [""] * 5)
 
 
@@ -171,7 +201,11 @@ def test_inf_is_rejected():
 
 def test_wrong_count_is_rejected():
     rc = RewardComputer([RewardConfig(name="tests.reward_fixtures:one_short")])
-    with pytest.raises(ValueError, match="reward 'one_short' returned 3 values for 4 completions; reward functions must return one float per completion"):
+    with pytest.raises(
+        ValueError,
+        match="reward 'one_short' returned 3 values for 4 completions; "
+        "reward functions must return one float per completion",
+    ):
         rc(["a"] * 4, [""] * 4, [""] * 4)
 
 
@@ -190,3 +224,268 @@ def test_mismatched_batch_is_rejected():
 def test_empty_reward_list_is_rejected():
     with pytest.raises(ValueError, match="rewards is empty"):
         RewardComputer([])
+
+
+# --- numeric_answer, boxed_answer, tag_answer ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "42",
+        "The answer is 42.",
+        "17 + 25 = 42",
+        "= 42",
+        "So Tom has 42 apples now.",
+        "42.0",
+        "$42",
+        "**42**",
+        "Let me think: 17 + 20 = 37, then 37 + 5 = 42",
+        "The answer is: 42\n",
+    ],
+)
+def test_numeric_answer_takes_the_last_number(completion):
+    assert score("numeric_answer", [completion], ["42"]) == [1.0]
+
+
+@pytest.mark.parametrize(
+    "completion, answer",
+    [
+        ("It costs $1,234.", "1234"),
+        ("1,234,567 people", "1234567"),
+        ("The result is -5.", "-5"),
+        ("The result is \u22125", "-5"),
+        ("x = 3.50", "3.5"),
+        ("about 50%", "50"),
+        ("81", "81.0"),
+        ("It is 4.", "$4"),
+    ],
+)
+def test_numeric_answer_normalises_both_sides(completion, answer):
+    assert score("numeric_answer", [completion], [answer]) == [1.0]
+
+
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "42 is wrong, it is 43",
+        "17 + 25",
+        "no idea",
+        "",
+        "4 2",
+        "420",
+        "-42",
+        "x42",
+        "42km",
+    ],
+)
+def test_numeric_answer_scores_zero_for_another_last_number_or_none(completion):
+    assert score("numeric_answer", [completion], ["42"]) == [0.0]
+
+
+def test_numeric_answer_minus_between_numbers_is_subtraction():
+    assert score("numeric_answer", ["10-5", "10 - 5 = 5", "it is -5"], ["-5"] * 3) == [0.0, 0.0, 1.0]
+
+
+def test_numeric_answer_can_take_the_first_number():
+    assert score("numeric_answer", ["42, since 17 + 25 = 42 and not 43"], ["42"], pick="first") == [1.0]
+
+
+def test_numeric_answer_tolerance_is_absolute():
+    assert score("numeric_answer", ["3.14", "3.2"], ["3.14159"] * 2, tolerance=0.01) == [1.0, 0.0]
+
+
+def test_numeric_answer_refuses_an_answer_that_is_not_one_number():
+    with pytest.raises(ValueError, match=r"numeric_answer: the answer 'forty-two' holds 0 numbers, not one"):
+        score("numeric_answer", ["42"], ["forty-two"])
+
+
+def test_numeric_answer_refuses_bad_kwargs():
+    with pytest.raises(
+        ValueError, match=r"rewards\[0\]\.kwargs: numeric_answer: pick='middle' must be 'last' or 'first'"
+    ):
+        resolve(RewardConfig(name="numeric_answer", kwargs={"pick": "middle"}), index=0)
+
+
+@pytest.mark.parametrize(
+    "completion, answer, want",
+    [
+        (r"so \boxed{42}", "42", 1.0),
+        (r"\boxed{41} no, \boxed{42}", "42", 1.0),
+        (r"\boxed{ 1,234 }", "1234", 1.0),
+        (r"$\boxed{-3.0}$", "-3", 1.0),
+        (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}", 1.0),
+        (r"\boxed{x + 1}", "x+1", 1.0),
+        (r"\boxed{43}", "42", 0.0),
+        ("42", "42", 0.0),
+        (r"\boxed{42", "42", 0.0),
+        (r"\boxed{2x}", "2", 0.0),
+    ],
+)
+def test_boxed_answer_compares_the_last_box(completion, answer, want):
+    assert score("boxed_answer", [completion], [answer]) == [want]
+
+
+def test_tag_answer_is_exact_answer():
+    assert REGISTRY["tag_answer"] is REGISTRY["exact_answer"]
+    assert score("tag_answer", ["<output>7</output>", "7"], ["7", "7"]) == [1.0, 0.0]
+
+
+# --- correctness rewards and eval.reward ------------------------------------------------------
+
+
+def test_correctness_builtins_are_marked_in_the_registry():
+    assert sorted(n for n, fn in REGISTRY.items() if is_correctness(fn)) == [
+        "boxed_answer",
+        "exact_answer",
+        "numeric_answer",
+        "regex_answer",
+        "tag_answer",
+    ]
+
+
+def test_eval_accuracy_reads_the_first_correctness_reward_by_default():
+    rc = RewardComputer(
+        [RewardConfig(name="format"), RewardConfig(name="numeric_answer"), RewardConfig(name="exact_answer")]
+    )
+    assert rc.accuracy_name() == "numeric_answer"
+
+
+def test_eval_reward_names_the_component_to_read():
+    rc = RewardComputer([RewardConfig(name="numeric_answer"), RewardConfig(name="format")])
+    assert rc.accuracy_name("format") == "format"
+
+
+def test_user_function_marked_correctness_counts():
+    rc = RewardComputer(
+        [
+            RewardConfig(name="length_penalty", kwargs={"target_chars": 9}),
+            RewardConfig(name="tests.reward_fixtures:starts_with_answer"),
+        ]
+    )
+    assert rc.accuracy_name() == "starts_with_answer"
+
+
+def test_without_a_correctness_reward_there_is_no_accuracy():
+    rc = RewardComputer([RewardConfig(name="format"), RewardConfig(name="tests.reward_fixtures:length_bonus")])
+    assert rc.accuracy_name() is None
+
+
+def test_unknown_eval_reward_fails_the_spec_naming_field_and_choices():
+    spec = {
+        "model": {"name_or_path": "m"},
+        "rewards": [{"name": "numeric_answer"}, {"name": "format"}],
+        "eval": {"reward": "exact_answer"},
+    }
+    with pytest.raises(
+        SpecError,
+        match=r"^spec: eval.reward='exact_answer' is not one of the experiment's rewards "
+        r"\(numeric_answer, format\); name one of them, or leave eval.reward unset",
+    ):
+        load_spec(spec)
+
+
+def test_check_rewards_returns_the_accuracy_component():
+    assert check_rewards([RewardConfig(name="format"), RewardConfig(name="boxed_answer")]) == "boxed_answer"
+
+
+def test_check_rewards_warns_that_accuracy_is_absent_without_a_correctness_reward():
+    with pytest.warns(
+        UserWarning,
+        match=r"eval/accuracy will not be reported: the rewards \(format, length_penalty\) "
+        "hold no correctness reward",
+    ):
+        assert (
+            check_rewards(
+                [RewardConfig(name="format"), RewardConfig(name="length_penalty", kwargs={"target_chars": 9})]
+            )
+            is None
+        )
+
+
+# --- user functions: where they are found, how they fail ------------------------------------
+
+
+def test_user_function_that_raises_names_the_reward():
+    rc = RewardComputer(
+        [RewardConfig(name="numeric_answer"), RewardConfig(name="tests.reward_fixtures:raises_on_call")]
+    )
+    with pytest.raises(
+        RewardError,
+        match=r"^reward 'raises_on_call' \(tests.reward_fixtures:raises_on_call\) raised "
+        r"TypeError: string indices must be integers.*; fix the function",
+    ):
+        rc(["1", "2"], ["1", "2"], ["p", "q"])
+
+
+def test_reward_module_next_to_the_spec_is_importable(tmp_path):
+    folder = tmp_path / "experiment"
+    folder.mkdir()
+    (folder / "my_task_rewards.py").write_text(
+        "def shouty(completions, answers, prompts):\n    return [float(c.isupper()) for c in completions]\n"
+    )
+    (folder / "spec.yaml").write_text("model: {name_or_path: m}\nrewards: [{name: 'my_task_rewards:shouty'}]\n")
+    code = (
+        "import sys\nfrom tasks.spec import load_spec\nfrom trainer.rewards import RewardComputer\n"
+        "spec = load_spec(sys.argv[1])\nprint(RewardComputer(spec.rewards)(['HI', 'hi'], ['', ''], ['', ''])[0])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(folder / "spec.yaml")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert out.stdout.strip() == "[1.0, 0.0]", out.stderr
+
+
+def test_reward_module_in_the_working_directory_is_importable(tmp_path):
+    (tmp_path / "cwd_rewards.py").write_text(
+        "def one(completions, answers, prompts):\n    return [1.0] * len(completions)\n"
+    )
+    code = (
+        "from trainer.config import RewardConfig\nfrom trainer.rewards import resolve\n"
+        "print(resolve(RewardConfig(name='cwd_rewards:one'))(completions=['a'], answers=[''], prompts=['']))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert out.stdout.strip() == "[1.0]", out.stderr
+
+
+def test_missing_reward_module_fails_the_spec_before_torch_is_imported(tmp_path):
+    (tmp_path / "spec.yaml").write_text("model: {name_or_path: m}\nrewards: [{name: 'nowhere_rewards:fn'}]\n")
+    code = (
+        "import sys\nfrom tasks.spec import SpecError, load_spec\ntry:\n"
+        "    load_spec(sys.argv[1])\nexcept SpecError as e:\n    print(e)\n"
+        "print(sorted({'torch', 'transformers'} & set(sys.modules)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "spec.yaml")], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith(
+        f"{tmp_path / 'spec.yaml'}: rewards[0].name='nowhere_rewards:fn': module 'nowhere_rewards' not found"
+    ), out.stderr
+    assert lines[1] == "[]"
+
+
+def test_rewards_module_does_not_import_torch():
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, trainer.rewards, trainer.data\nprint(sorted({'torch', 'transformers'} & set(sys.modules)))",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.stdout.strip() == "[]", out.stderr

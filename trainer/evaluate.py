@@ -4,26 +4,73 @@
 and nothing else: no rollout engine, no logprob bookkeeping, no trainer-side patches. In-training
 eval (every `eval.every` steps), the pipeline's final eval and `ballast generate` all call it, and
 tests/test_trainer.py checks it against a hand-written `generate` call, so eval cannot quietly
-decode differently from what users will see.
+decode differently from what users will see. `evaluate_with_samples` also returns `eval.log_samples` of the
+completions as sample rows (trainer/samples.py), which the trainer and the eval stage write and log.
 """
+
 from __future__ import annotations
 
 import torch
 
-from .config import EvalConfig
+from .config import DataConfig, EvalConfig
 from .data import Example, render_prompt
+from .samples import sample_rows
+
+
+def generate_texts(
+    model,
+    tokenizer,
+    prompts: list[str],
+    max_tokens: int,
+    temperature: float = 0.0,
+    batch_size: int = 32,
+    seed: int = 0,
+    data: DataConfig | None = None,
+) -> list[str]:
+    return generate(model, tokenizer, prompts, max_tokens, temperature, batch_size, seed, data)[0]
+
+
+def generate(
+    model,
+    tokenizer,
+    prompts: list[str],
+    max_tokens: int,
+    temperature: float = 0.0,
+    batch_size: int = 32,
+    seed: int = 0,
+    data: DataConfig | None = None,
+) -> tuple[list[str], list[int]]:
+    """(texts, generated token counts): a count is the ids the model generated, up to and including its end-of-
+    sequence token — never the decoded text re-encoded (an invalid byte would count three), never above max_tokens."""
+    texts, lengths, _ = generate_with_endings(
+        model, tokenizer, prompts, max_tokens, temperature, batch_size, seed, data
+    )
+    return texts, lengths
 
 
 @torch.no_grad()
-def generate_texts(model, tokenizer, prompts: list[str], max_tokens: int, temperature: float = 0.0,
-                   batch_size: int = 32, seed: int = 0) -> list[str]:
+def generate_with_endings(
+    model,
+    tokenizer,
+    prompts: list[str],
+    max_tokens: int,
+    temperature: float = 0.0,
+    batch_size: int = 32,
+    seed: int = 0,
+    data: DataConfig | None = None,
+) -> tuple[list[str], list[int], list[str]]:
+    """`generate`'s texts and token counts, and each completion's finish reason: 'stop' (it generated an
+    end-of-sequence token) or 'length' (it ran to max_tokens)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     texts: list[str] = []
+    lengths: list[int] = []
+    endings: list[str] = []
+    stop = _eos_ids(model, tokenizer)
     try:
         for start in range(0, len(prompts), batch_size):
-            chunk = [render_prompt(tokenizer, p) for p in prompts[start:start + batch_size]]
+            chunk = [render_prompt(tokenizer, p, data) for p in prompts[start : start + batch_size]]
             batch = tokenizer.pad({"input_ids": chunk}, padding=True, return_tensors="pt").to(device)
             kwargs = dict(max_new_tokens=max_tokens, pad_token_id=tokenizer.pad_token_id)
             if temperature > 0:
@@ -34,21 +81,59 @@ def generate_texts(model, tokenizer, prompts: list[str], max_tokens: int, temper
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 torch.manual_seed(seed + start)
                 out = model.generate(**batch, **kwargs)
-            texts += tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+            new = out[:, batch["input_ids"].shape[1] :]
+            texts += tokenizer.batch_decode(new, skip_special_tokens=True)
+            lengths += [_generated_length(row.tolist(), stop) for row in new]
+            endings += ["stop" if stop & set(row.tolist()) else "length" for row in new]
     finally:
         model.train(was_training)
-    return texts
+    return texts, lengths, endings
 
 
-def evaluate(model, tokenizer, examples: list[Example], cfg: EvalConfig, rewards) -> dict[str, float]:
-    """eval/reward, eval/accuracy (the share scoring 1 on cfg.reward) and eval/mean_length."""
+def _eos_ids(model, tokenizer) -> set[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    eos = tokenizer.eos_token_id if eos is None else eos
+    return set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+
+
+def _generated_length(ids: list[int], stop: set[int]) -> int:
+    """Tokens generated: up to the first end-of-sequence token, inclusive (what follows it is padding)."""
+    return next((i + 1 for i, t in enumerate(ids) if t in stop), len(ids))
+
+
+def evaluate(
+    model, tokenizer, examples: list[Example], cfg: EvalConfig, rewards, data: DataConfig | None = None
+) -> dict[str, float]:
+    """eval/reward, eval/accuracy (the share scoring 1 on rewards.accuracy_name(cfg.reward): absent when the
+    rewards hold no correctness reward) and eval/mean_length (generated tokens, see `generate`). `data` renders the
+    prompts (system, template)."""
+    return evaluate_with_samples(model, tokenizer, examples, cfg, rewards, data)[0]
+
+
+def evaluate_with_samples(
+    model, tokenizer, examples: list[Example], cfg: EvalConfig, rewards, data: DataConfig | None = None, step: int = 0
+) -> tuple[dict[str, float], list[dict]]:
+    """(`evaluate`'s metrics, cfg.log_samples sample rows of its completions, marked with `step`)."""
     if not examples:
-        return {}
-    texts = generate_texts(model, tokenizer, [e.prompt for e in examples], cfg.max_tokens, cfg.temperature, cfg.batch_size)
+        return {}, []
+    texts, lengths, endings = generate_with_endings(
+        model, tokenizer, [e.prompt for e in examples], cfg.max_tokens, cfg.temperature, cfg.batch_size, data=data
+    )
     total, parts = rewards(texts, [e.answer for e in examples], [e.prompt for e in examples])
-    accuracy = parts.get(cfg.reward)
-    lengths = [len(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+    accuracy_name = rewards.accuracy_name(cfg.reward)
+    accuracy = parts[accuracy_name] if accuracy_name is not None else None
     out = {"eval/reward": sum(total) / len(total), "eval/mean_length": sum(lengths) / len(lengths)}
     if accuracy is not None:
         out["eval/accuracy"] = sum(1.0 for a in accuracy if a >= 1.0) / len(accuracy)
-    return out
+    rows = sample_rows(
+        step,
+        [e.prompt for e in examples],
+        [e.answer for e in examples],
+        texts,
+        endings,
+        lengths,
+        total,
+        parts,
+        cfg.log_samples,
+    )
+    return out, rows

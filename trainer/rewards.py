@@ -9,12 +9,18 @@ groups of G (grpo.num_generations), so a judge-style reward can score a group re
 Arguments are passed by name, so a TRL-style `fn(prompts, completions, **kwargs)` also works (it
 finds the answers in kwargs['answers']).
 
-Built-ins (`REGISTRY`):
+Built-ins (`REGISTRY`); the starred ones are *correctness* rewards (`correctness = True` on the function,
+which a user function may set too): `eval.reward` defaults to the first of them in the rewards list.
 
-    exact_answer        1.0 if the content of the first <tag>...</tag> (kwarg `tag`, default 'output'),
-                        stripped, equals the stripped answer; else 0.0 (also when there is no tag pair).
-    regex_answer        kwarg `pattern`, a regex with one group: 1.0 if the first match's group(1),
+  * numeric_answer      1.0 if the last number in the text (kwarg `pick: first` for the first) equals the
+                        answer's number: commas, '$', '%', a trailing '.0' and words around it are ignored,
+                        '-5' and '−5' are negative ('10-5' is not), compared within kwarg `tolerance` (0).
+  * boxed_answer        1.0 if the content of the last \\boxed{...} equals the answer: as numbers when both
+                        are one number, else as text with whitespace removed.
+  * regex_answer        kwarg `pattern`, a regex with one group: 1.0 if the first match's group(1),
                         stripped, equals the stripped answer; else 0.0.
+  * exact_answer        (alias tag_answer) 1.0 if the content of the first <tag>...</tag> (kwarg `tag`,
+                        default 'output'), stripped, equals the stripped answer; else 0.0 (also with no pair).
     format              kwarg `tag` (default 'output'): 1.0 for exactly one <tag>...</tag> pair with
                         non-empty content and nothing but whitespace outside it; 0.5 when such a pair
                         is there but other text (or another pair) is outside it; 0.0 otherwise,
@@ -22,15 +28,25 @@ Built-ins (`REGISTRY`):
     length_penalty      kwarg `target_chars` (> 0): -max(0, len - target) / target, clipped at -1.
     repetition_penalty  kwargs `n` (default 3) and `unit` ('words', default, or 'chars'):
                         -ngram_repetition(...) of health.py, in [-1, 0].
+    judge               an LLM behind an OpenAI-compatible endpoint scores each group relative to itself,
+                        in [0, 1] (trainer/judge.py; kwargs: JudgeConfig in config.py).
 
 `resolve(cfg)` turns one RewardConfig into a callable with its kwargs bound — a built-in by name or
-a user function by 'module:function' — and checks the kwargs fit the function's signature before any
-rollout. `RewardComputer(cfgs)` scores a batch: the weighted sum of all components, plus each
-component's raw (unweighted) values under its name: the built-in's name, the function's name for
-'module:function', with '_<index in rewards>' appended to every name that occurs more than once.
-A function that returns the wrong count, a non-number, NaN or inf fails the step with an error
-naming the function and the completion.
+a user function by 'module:function', imported with the spec's folder and the working directory on
+sys.path — and checks the kwargs fit the function's signature before any rollout. `check_rewards`
+resolves a whole list and the eval reward without torch: the spec validation calls it, so a typo costs
+milliseconds, not a model load. `RewardComputer(cfgs)` scores a batch: the weighted sum of all
+components, plus each component's raw values under its metric name (config.reward_component_names).
+A wrong count, a non-number, NaN or inf fails the step naming the reward and the completion; a user
+function that raises fails it with a RewardError naming the reward.
+
+A built-in may be a class (the judge): `resolve` builds one object per run from the kwargs, passing
+`group_size` (grpo.num_generations) and `output_dir` (the run's directory) when its constructor takes
+them; a plain function gets `group_size` too when it has that parameter. A reward object may have a
+`metrics()` method: `RewardComputer.step_metrics` holds what those returned for the last batch, and
+the step adds them to its metrics.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -39,31 +55,54 @@ import importlib
 import inspect
 import math
 import numbers
+import os
 import re
-from typing import Callable, Optional
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
-from .config import RewardConfig
+from .config import InputError, RewardConfig, reward_component_names
 from .health import ngram_repetition, tag_pattern, tagged_content
+from .judge import JudgeReward
 
 RewardFn = Callable[..., list]
 
 REGISTRY: dict[str, RewardFn] = {}
 
 
-def register(name: str):
-    """Decorator: make `fn` available as the built-in reward `name`."""
+class RewardError(InputError):
+    """A reward that failed during a step; the message names the reward and what to fix."""
+
+
+def register(name: str, correctness: bool = False):
+    """Decorator: make `fn` available as the built-in reward `name`; `correctness` marks a reward that
+    says whether the answer is right (1.0) or not, which eval.reward may default to."""
+
     def deco(fn):
         if name in REGISTRY:
             raise ValueError(f"reward {name!r} is already registered; pick another name")
+        if ":" in name:
+            raise ValueError(f"reward name {name!r} has a ':', which marks 'module:function'; pick another name")
+        if correctness or not hasattr(fn, "correctness"):
+            fn.correctness = correctness
         REGISTRY[name] = fn
         return fn
+
     return deco
+
+
+def is_correctness(fn) -> bool:
+    """True for a reward marked `correctness = True` (a built-in's registry attribute, or a user function's)."""
+    return getattr(getattr(fn, "func", fn), "correctness", False) is True
 
 
 # ---------------------------------------------------------------------------------------------
 # Built-ins. Each checks its kwargs first, so resolve() can validate them with empty lists.
 
-@register("exact_answer")
+
+@register("tag_answer", correctness=True)
+@register("exact_answer", correctness=True)
 def exact_answer(completions, answers, prompts, *, tag: str = "output") -> list[float]:
     tag_pattern(tag)
     out = []
@@ -73,19 +112,91 @@ def exact_answer(completions, answers, prompts, *, tag: str = "output") -> list[
     return out
 
 
-@register("regex_answer")
+@register("regex_answer", correctness=True)
 def regex_answer(completions, answers, prompts, *, pattern: str) -> list[float]:
     try:
         rx = re.compile(pattern)
     except re.error as e:
         raise ValueError(f"regex_answer: pattern={pattern!r} is not a regular expression ({e})") from None
     if rx.groups < 1:
-        raise ValueError(f"regex_answer: pattern={pattern!r} has no group; put the answer in one, e.g. r'answer: (\\S+)'")
+        raise ValueError(
+            f"regex_answer: pattern={pattern!r} has no group; put the answer in one, e.g. r'answer: (\\S+)'"
+        )
     out = []
     for text, answer in zip(completions, answers):
         m = rx.search(text)
         got = m.group(1) if m else None
         out.append(1.0 if got is not None and got.strip() == answer.strip() else 0.0)
+    return out
+
+
+# A number: an optional sign (not after a letter or digit: '10-5' is ten and five), an optional '$',
+# digits with optional thousands commas, an optional decimal part; not inside a word ('x2', '5km', 'H2O').
+_NUMBER = re.compile(
+    r"(?<![\w.])(?P<sign>[-\u2212])?\$?"
+    r"(?P<int>\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?P<frac>\.\d+)?(?![^\W_])"
+)
+
+
+def numbers_in(text: str) -> list[float]:
+    """Every number in `text`, normalised ('$1,234.0' -> 1234.0, '−5' -> -5.0), in order."""
+    out = []
+    for m in _NUMBER.finditer(text):
+        value = float(m.group("int").replace(",", "") + (m.group("frac") or ""))
+        out.append(-value if m.group("sign") else value)
+    return out
+
+
+def _answer_number(answer: str, reward: str) -> float:
+    found = numbers_in(answer)
+    if len(found) != 1:
+        raise ValueError(
+            f"{reward}: the answer {answer!r} holds {len(found)} numbers, not one; give numeric answers "
+            "in the data, or use regex_answer / exact_answer for other answers"
+        )
+    return found[0]
+
+
+@register("numeric_answer", correctness=True)
+def numeric_answer(completions, answers, prompts, *, pick: str = "last", tolerance: float = 0.0) -> list[float]:
+    if pick not in ("last", "first"):
+        raise ValueError(f"numeric_answer: pick={pick!r} must be 'last' or 'first'")
+    if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real) or not tolerance >= 0:
+        raise ValueError(f"numeric_answer: tolerance={tolerance!r} must be a number >= 0")
+    out = []
+    for text, answer in zip(completions, answers):
+        want, found = _answer_number(answer, "numeric_answer"), numbers_in(text)
+        got = (found[-1] if pick == "last" else found[0]) if found else None
+        out.append(1.0 if got is not None and math.isclose(got, want, rel_tol=1e-9, abs_tol=tolerance) else 0.0)
+    return out
+
+
+def boxed_content(text: str) -> str | None:
+    """The content of the last \\boxed{...} (braces balanced inside), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None
+
+
+@register("boxed_answer", correctness=True)
+def boxed_answer(completions, answers, prompts) -> list[float]:
+    out = []
+    for text, answer in zip(completions, answers):
+        content = boxed_content(text)
+        if content is None:
+            out.append(0.0)
+            continue
+        got, want = numbers_in(content), numbers_in(answer)
+        if len(got) == 1 and len(want) == 1 and not re.search(r"[^\W\d_]", content + answer):
+            out.append(1.0 if math.isclose(got[0], want[0], rel_tol=1e-9) else 0.0)
+        else:
+            out.append(1.0 if "".join(content.split()) == "".join(answer.split()) else 0.0)
     return out
 
 
@@ -97,7 +208,7 @@ def format_reward(completions, answers, prompts, *, tag: str = "output") -> list
         m = rx.search(text)
         if m is None or not m.group(1).strip():
             out.append(0.0)
-        elif (text[:m.start()] + text[m.end():]).strip():
+        elif (text[: m.start()] + text[m.end() :]).strip():
             out.append(0.5)
         else:
             out.append(1.0)
@@ -109,6 +220,9 @@ def length_penalty(completions, answers, prompts, *, target_chars: int) -> list[
     if not isinstance(target_chars, numbers.Real) or target_chars <= 0:
         raise ValueError(f"length_penalty: target_chars={target_chars!r} must be a number > 0")
     return [max(-1.0, -max(0, len(text) - target_chars) / target_chars) for text in completions]
+
+
+register("judge")(JudgeReward)
 
 
 @register("repetition_penalty")
@@ -123,6 +237,16 @@ def repetition_penalty(completions, answers, prompts, *, n: int = 3, unit: str =
 # ---------------------------------------------------------------------------------------------
 # Resolving a spec entry
 
+
+def add_import_dirs(spec_dir: str | Path | None = None) -> None:
+    """Make 'module:function' rewards next to the spec, or in the working directory, importable: both go
+    at the end of sys.path, so they never shadow an installed package."""
+    for d in ([spec_dir] if spec_dir is not None else []) + [os.getcwd()]:
+        d = str(Path(d).resolve())
+        if d not in sys.path:
+            sys.path.append(d)
+
+
 def _load_user_function(spec: str, where: str) -> Callable:
     module_name, _, attr_path = spec.partition(":")
     hint = f"give a built-in ({', '.join(REGISTRY)}) or an importable module:function"
@@ -133,11 +257,13 @@ def _load_user_function(spec: str, where: str) -> Callable:
     except ModuleNotFoundError as e:
         if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
             raise ValueError(f"{where}.name={spec!r}: module {module_name!r} not found; {hint}") from None
-        raise ValueError(f"{where}.name={spec!r}: importing module {module_name!r} failed: {e}; "
-                         "install what it imports") from e
+        raise ValueError(
+            f"{where}.name={spec!r}: importing module {module_name!r} failed: {e}; install what it imports"
+        ) from e
     except Exception as e:
-        raise ValueError(f"{where}.name={spec!r}: importing module {module_name!r} raised "
-                         f"{type(e).__name__}: {e}; fix the module") from e
+        raise ValueError(
+            f"{where}.name={spec!r}: importing module {module_name!r} raised {type(e).__name__}: {e}; fix the module"
+        ) from e
     for part in attr_path.split("."):
         if not hasattr(obj, part):
             raise ValueError(f"{where}.name={spec!r}: module {module_name!r} has no attribute {attr_path!r}; {hint}")
@@ -147,33 +273,54 @@ def _load_user_function(spec: str, where: str) -> Callable:
     return obj
 
 
-def resolve(cfg: RewardConfig, index: Optional[int] = None) -> Callable[..., list]:
+def resolve(
+    cfg: RewardConfig,
+    index: int | None = None,
+    *,
+    group_size: int = 1,
+    output_dir=None,
+    spec_dir: str | Path | None = None,
+) -> Callable[..., list]:
     """The reward function `cfg.name` names, with `cfg.kwargs` bound; call it as
     fn(completions=..., answers=..., prompts=...). `index` (the position in the spec's rewards list)
-    only makes error messages point at the right entry."""
+    only makes error messages point at the right entry; `spec_dir` is the spec's folder."""
     where = f"rewards[{index}]" if index is not None else "reward"
     name = cfg.name
     if name in REGISTRY:
         fn = REGISTRY[name]
     elif ":" in name:
+        add_import_dirs(spec_dir)
         fn = _load_user_function(name, where)
     else:
         close = difflib.get_close_matches(name, REGISTRY, n=1)
         maybe = f"did you mean {close[0]!r}? " if close else ""
-        raise ValueError(f"{where}.name={name!r} is not a built-in reward; {maybe}give a built-in "
-                         f"({', '.join(REGISTRY)}) or an importable module:function")
+        raise ValueError(
+            f"{where}.name={name!r} is not a built-in reward; {maybe}give a built-in "
+            f"({', '.join(REGISTRY)}) or an importable module:function"
+        )
     kwargs = dict(cfg.kwargs)
+    if inspect.isclass(fn):  # a reward object, built once with its kwargs (they are checked as it is built)
+        context = {"group_size": group_size, "output_dir": output_dir}
+        wanted = inspect.signature(fn).parameters
+        try:
+            return fn(**kwargs, **{k: v for k, v in context.items() if k in wanted and k not in kwargs})
+        except ValueError as e:
+            raise ValueError(f"{where}.kwargs: {e}") from None
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # some C callables have none; they fail at the first call instead
         signature = None
+    if signature is not None and "group_size" in signature.parameters and "group_size" not in kwargs:
+        kwargs["group_size"] = group_size
     if signature is not None:
         try:
             signature.bind(completions=[], answers=[], prompts=[], **kwargs)
         except TypeError as e:
-            raise ValueError(f"{where}: {name!r} cannot be called with kwargs={kwargs!r} ({e}); it takes "
-                             f"{signature}: give {where}.kwargs only its keyword parameters, and name its "
-                             "data parameters completions, answers, prompts (they are passed by name)") from None
+            raise ValueError(
+                f"{where}: {name!r} cannot be called with kwargs={kwargs!r} ({e}); it takes "
+                f"{signature}: give {where}.kwargs only its keyword parameters, and name its "
+                "data parameters completions, answers, prompts (they are passed by name)"
+            ) from None
     if name in REGISTRY:
         try:
             fn(completions=[], answers=[], prompts=[], **kwargs)  # built-ins validate their kwargs first
@@ -182,38 +329,89 @@ def resolve(cfg: RewardConfig, index: Optional[int] = None) -> Callable[..., lis
     return functools.partial(fn, **kwargs)
 
 
-def component_names(cfgs: list[RewardConfig]) -> list[str]:
-    """Metric names of the components: built-in name or function name, '_<index>' on duplicates."""
-    bases = [c.name if c.name in REGISTRY else c.name.rpartition(":")[2].rpartition(".")[2] for c in cfgs]
-    return [f"{b}_{i}" if bases.count(b) > 1 else b for i, b in enumerate(bases)]
+component_names = reward_component_names  # metric names of the components (trainer/config.py)
 
 
-# ---------------------------------------------------------------------------------------------
-# Scoring a batch
+def accuracy_component(names: Sequence[str], fns: Sequence[Callable], eval_reward: str | None) -> str | None:
+    """The component eval/accuracy reads: eval.reward if set, else the first correctness reward, else None."""
+    if eval_reward is not None:
+        if eval_reward not in names:
+            raise ValueError(
+                f"eval.reward={eval_reward!r} is not one of the experiment's rewards "
+                f"({', '.join(names)}); name one of them, or leave eval.reward unset for the first "
+                "correctness reward"
+            )
+        return eval_reward
+    return next((n for n, fn in zip(names, fns) if is_correctness(fn)), None)
+
+
+def check_rewards(
+    rewards: list[RewardConfig], eval_reward: str | None = None, spec_dir: str | Path | None = None
+) -> str | None:
+    """Resolve every reward (imports, kwargs) and eval.reward, as the run will, without torch; returns the
+    component eval/accuracy will read. With none (no correctness reward) it warns that eval/accuracy will not
+    be reported, once per spec. Raises ValueError naming the field."""
+    rc = RewardComputer(rewards, spec_dir=spec_dir)
+    name = rc.accuracy_name(eval_reward)
+    if name is None:
+        warnings.warn(
+            f"eval/accuracy will not be reported: the rewards ({', '.join(rc.names)}) hold no correctness "
+            "reward (numeric_answer, boxed_answer, regex_answer, exact_answer, or a function with "
+            "correctness = True); eval/reward is the held-out score. Add one, or set eval.reward",
+            stacklevel=2,
+        )
+    return name
+
 
 class RewardComputer:
     """All the spec's rewards: `rc(completions, answers, prompts)` -> (weighted total per completion,
     {component name: raw values})."""
 
-    def __init__(self, cfgs: list[RewardConfig]):
+    def __init__(
+        self, cfgs: list[RewardConfig], *, group_size: int = 1, output_dir=None, spec_dir: str | Path | None = None
+    ):
         if not cfgs:
-            raise ValueError("rewards is empty; give at least one, e.g. rewards: [{name: exact_answer}]")
+            raise ValueError("rewards is empty; give at least one, e.g. rewards: [{name: numeric_answer}]")
         self.names = component_names(cfgs)
         self.weights = [float(c.weight) for c in cfgs]
-        self.fns = [resolve(c, i) for i, c in enumerate(cfgs)]
+        self.fns = [
+            resolve(c, i, group_size=group_size, output_dir=output_dir, spec_dir=spec_dir) for i, c in enumerate(cfgs)
+        ]
+        self.user_defined = {n: c.name for n, c in zip(self.names, cfgs) if c.name not in REGISTRY}
+        self.step_metrics: dict[str, float] = {}  # what reward objects' metrics() gave for the last batch
 
-    def __call__(self, completions: list[str], answers: list[str],
-                 prompts: list[str]) -> tuple[list[float], dict[str, list[float]]]:
+    def accuracy_name(self, eval_reward: str | None = None) -> str | None:
+        """The component eval/accuracy reads (eval.reward, or the first correctness reward); None when the
+        rewards hold no correctness reward: eval/accuracy is then not reported, eval/reward is the score."""
+        return accuracy_component(self.names, self.fns, eval_reward)
+
+    def __call__(
+        self, completions: list[str], answers: list[str], prompts: list[str]
+    ) -> tuple[list[float], dict[str, list[float]]]:
         if not len(completions) == len(answers) == len(prompts):
-            raise ValueError(f"rewards need one answer and one prompt per completion; got {len(completions)} "
-                             f"completions, {len(answers)} answers, {len(prompts)} prompts")
+            raise ValueError(
+                f"rewards need one answer and one prompt per completion; got {len(completions)} "
+                f"completions, {len(answers)} answers, {len(prompts)} prompts"
+            )
         total = [0.0] * len(completions)
         per_component: dict[str, list[float]] = {}
+        self.step_metrics = {}
         for name, weight, fn in zip(self.names, self.weights, self.fns):
-            values = _checked(name, fn(completions=list(completions), answers=list(answers), prompts=list(prompts)),
-                              len(completions))
+            try:
+                raw = fn(completions=list(completions), answers=list(answers), prompts=list(prompts))
+            except Exception as e:
+                if name not in self.user_defined:
+                    raise
+                raise RewardError(
+                    f"reward {name!r} ({self.user_defined[name]}) raised {type(e).__name__}: {e}; "
+                    f"fix the function (it was given {len(completions)} completions, answers and "
+                    "prompts)"
+                ) from e
+            values = _checked(name, raw, len(completions))
             per_component[name] = values
             total = [t + weight * v for t, v in zip(total, values)]
+            if callable(getattr(fn, "metrics", None)):
+                self.step_metrics.update(fn.metrics())
         return total, per_component
 
 
@@ -221,18 +419,26 @@ def _checked(name: str, values, count: int) -> list[float]:
     try:
         got = len(values)
     except TypeError:
-        raise ValueError(f"reward {name!r} returned a {type(values).__name__}, not a list; "
-                         f"reward functions must return one float per completion ({count})") from None
+        raise ValueError(
+            f"reward {name!r} returned a {type(values).__name__}, not a list; "
+            f"reward functions must return one float per completion ({count})"
+        ) from None
     if got != count:
-        raise ValueError(f"reward {name!r} returned {got} values for {count} completions; "
-                         "reward functions must return one float per completion")
+        raise ValueError(
+            f"reward {name!r} returned {got} values for {count} completions; "
+            "reward functions must return one float per completion"
+        )
     out = []
     for i, v in enumerate(values):
         if not isinstance(v, numbers.Real):
-            raise ValueError(f"reward {name!r} returned {v!r} ({type(v).__name__}) for completion {i}; reward "
-                             "functions must return finite floats (0.0 for a completion they cannot score)")
+            raise ValueError(
+                f"reward {name!r} returned {v!r} ({type(v).__name__}) for completion {i}; reward "
+                "functions must return finite floats (0.0 for a completion they cannot score)"
+            )
         v = float(v)
         if not math.isfinite(v):
-            raise ValueError(f"reward {name!r} returned {v} for completion {i}; reward functions must return finite floats")
+            raise ValueError(
+                f"reward {name!r} returned {v} for completion {i}; reward functions must return finite floats"
+            )
         out.append(v)
     return out
