@@ -1,13 +1,26 @@
 """trainer/health.py: the text-health detectors, classify(), batch_health() and the HealthGate."""
+
+import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 
 from trainer.config import HealthConfig
 from trainer.health import (
-    REASONS, HealthGate, batch_health, classify, garbage_score, is_garbage, ngram_repetition,
-    reason_code, repetition_loop, tagged_content, unique_token_ratio,
+    REASONS,
+    HealthGate,
+    batch_health,
+    classify,
+    garbage_score,
+    is_garbage,
+    ngram_repetition,
+    reason_code,
+    repetition_loop,
+    symbol_soup,
+    tagged_content,
+    unique_token_ratio,
 )
 
 PYTHON_FUNCTION = '''def score(items: list[int]) -> dict:
@@ -20,7 +33,9 @@ PYTHON_FUNCTION = '''def score(items: list[int]) -> dict:
             total -= 1
     return {"total": total, "n": len(items), "ok": [i for i in items if i]}
 '''
-JS_NESTED_BRACES = "function f(a, b, c) {\n  if (a) {\n    if (b) {\n      if (c) {\n        go();\n      }\n    }\n  }\n}\n"
+JS_NESTED_BRACES = (
+    "function f(a, b, c) {\n  if (a) {\n    if (b) {\n      if (c) {\n        go();\n      }\n    }\n  }\n}\n"
+)
 SIMILAR_LINES = "x = 1\ny = 2\nz = 3\nw = 4\nprint(x)\nprint(y)\n"
 MARKDOWN_LIST = "Steps:\n\n- add the tens: 20 + 50 = 70\n- add the ones: 3 + 8 = 11\n- total: 81\n\n**Answer:** 81\n"
 JSON_OBJECT = '{"name": "ballast", "values": [1, 2, 3], "nested": {"a": null, "b": true}, "zeros": [0, 0, 0]}'
@@ -51,6 +66,7 @@ def byte_soup(encoding: str, seed: int = 0, n: int = 300) -> str:
 
 
 # --- ngram_repetition / unique_token_ratio ---------------------------------------------------
+
 
 def test_ngram_repetition_counts_repeated_ngrams_over_all_ngrams():
     # 3-grams of 1 2 3 1 2 3: (123) (231) (312) (123) -> one repeat of four
@@ -89,6 +105,7 @@ def test_unique_token_ratio_of_empty_is_one():
 
 # --- garbage --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", FINE_TEXTS)
 def test_ordinary_texts_are_not_garbage(name):
     assert not is_garbage(FINE_TEXTS[name])
@@ -125,6 +142,7 @@ def test_empty_text_is_not_garbage():
 
 
 # --- repetition loops -----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", FINE_TEXTS)
 def test_ordinary_texts_have_no_repetition_loop(name):
@@ -177,10 +195,160 @@ def test_long_loop_description_is_truncated():
     assert desc.startswith('line "' + "x" * 40 + '…"') and desc.endswith(" x5")
 
 
+# --- loops that differ only in numbers, as real models write them --------------------------------
+# Each degenerate text is cut where SmolLM2-135M-Instruct's tokenizer reaches 512 tokens (measured), as a
+# completion that ran into max_tokens=512 is.
+
+NUMBERED_LIST_LOOP = (
+    "To add 17 and 25, follow these steps:\n\n"
+    + "".join(f"{i}. Add the ones digits together and carry the one to the tens.\n" for i in range(1, 200))
+)[:1936]
+SUBTITLE_TIMESTAMP_LOOP = "".join(
+    f"{i}\n00:{i // 60:02d}:{i % 60:02d},000 --> 00:{(i + 1) // 60:02d}:{(i + 1) % 60:02d},000\n" for i in range(1, 400)
+)[:563]
+INLINE_TIMES_LOOP = ("The times are " + ", ".join(f"{9 + i // 60}:{i % 60:02d} AM" for i in range(400)))[:664]
+DATE_STAMP_LOOP = "".join(f"2024-01-{1 + i // 24:02d} {i % 24:02d}:00:00\n" for i in range(400))[:512]
+PRIMES = (
+    "The first 30 primes are "
+    + ", ".join(
+        map(
+            str,
+            [
+                2,
+                3,
+                5,
+                7,
+                11,
+                13,
+                17,
+                19,
+                23,
+                29,
+                31,
+                37,
+                41,
+                43,
+                47,
+                53,
+                59,
+                61,
+                67,
+                71,
+                73,
+                79,
+                83,
+                89,
+                97,
+                101,
+                103,
+                107,
+                109,
+                113,
+            ],
+        )
+    )
+    + "."
+)
+TIMES_TABLE = "Here is the 7 times table:\n" + "".join(f"{i} x 7 = {7 * i}\n" for i in range(1, 13))
+TRAINING_LOG = "Output:\n" + "".join(
+    f"Epoch {i}/10 - loss: {1 / i:.4f} - accuracy: {0.5 + i / 25:.2f}\n" for i in range(1, 11)
+)
+NUMBERED_STEPS = "1. Boil the water.\n2. Put the tea bag in a cup.\n3. Pour the water.\n4. Wait 3 minutes.\n5. Enjoy.\n"
+
+
+@pytest.mark.parametrize(
+    "text, start",
+    [
+        (NUMBERED_LIST_LOOP, 'line "1. Add the ones digits together and carr…" x29'),
+        (SUBTITLE_TIMESTAMP_LOOP, '2 lines "1 / 00:00:01,000 --> 00:00:02,000" x17'),
+        (INLINE_TIMES_LOOP, 'words "9:00 AM," x71'),
+        (DATE_STAMP_LOOP, 'line "2024-01-01 00:00:00" x25'),
+    ],
+)
+def test_lines_differing_only_in_numbers_are_a_loop(text, start):
+    assert repetition_loop(text) == start + ", differing only in numbers"
+
+
+def test_numbered_loop_needs_twelve_copies_of_a_worded_line():
+    lines = "".join(f"{i}. Add the numbers.\n" for i in range(1, 12))
+    assert repetition_loop(lines) is None
+    assert (
+        repetition_loop(lines + "12. Add the numbers.\n") == 'line "1. Add the numbers." x12, differing only in numbers'
+    )
+
+
+def test_numbered_loop_without_spaces_is_caught_by_characters():
+    text = "".join(f"[{i}:{i + 1}]" for i in range(10, 40))
+    assert repetition_loop(text) == 'chars "[0:0]" x30, differing only in numbers (digits shown as 0)'
+
+
+@pytest.mark.parametrize(
+    "text", [PRIMES, TIMES_TABLE, TRAINING_LOG, NUMBERED_STEPS], ids=["primes", "times table", "log", "steps"]
+)
+def test_number_lists_tables_and_logs_are_not_loops(text):
+    assert repetition_loop(text) is None
+
+
+# What SmolLM2-135M-Instruct really writes (sampled with the hf engine; tests/smollm2_answers.jsonl says how):
+# wrong sums, rambling, "####" lines, numbered steps and chat answers with lists, code and tables; none is a loop
+# or garbage, however wrong.
+SMOLLM2_ANSWERS = [
+    json.loads(line) for line in (Path(__file__).parent / "smollm2_answers.jsonl").read_text().splitlines()
+]
+
+
+@pytest.mark.parametrize("row", SMOLLM2_ANSWERS, ids=[f"answer{i}" for i in range(len(SMOLLM2_ANSWERS))])
+def test_real_smollm2_answers_are_neither_loops_nor_garbage(row):
+    assert repetition_loop(row["text"]) is None and not is_garbage(row["text"])
+
+
+# --- symbol and emoji soup ---------------------------------------------------------------------
+
+
+def emoji_soup(seed: int = 0) -> str:
+    """512 SmolLM2 tokens of emoji runs mixed with short words: a per-character score misses it."""
+    rng = random.Random(seed)
+    emoji = "🌈✨🦄💖🎶🌸🌼🌻🍀🔥💫⭐🎉🥳😍🙌👏💯🌟🍓"
+    words = ["so", "happy", "vibes", "love", "yay", "wow", "fun", "sunshine", "party", "magic"]
+    parts = [
+        "".join(rng.choice(emoji) for _ in range(rng.randint(1, 3))) if rng.random() < 0.55 else rng.choice(words)
+        for _ in range(200)
+    ]
+    return " ".join(parts)[:563]
+
+
+def test_emoji_soup_is_garbage_though_its_character_score_is_low():
+    soup = emoji_soup()
+    assert garbage_score(soup) < 0.15
+    assert is_garbage(soup) and symbol_soup(soup) == "144 symbols or emoji to 64 words"
+
+
+def test_classify_reports_symbol_soup_as_garbage():
+    text = "wow ✨ amazing 🌟 party 💫 time ⭐ yay 🎉 love 🥳 happy 🎈 fun 🎁"
+    assert classify(text, [1], "stop", 32) == ["garbage: symbol soup (8 symbols or emoji to 8 words)"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Great job! 🎉 You solved it. Keep going 💪",
+        "✅ Drink water\n✅ Sleep eight hours\n✅ Walk every day\n✅ Eat vegetables\n✅ Read a book\n",
+        "Rating: ⭐⭐⭐⭐⭐ (5/5) — the best pancakes in town.",
+        TREE_OUTPUT * 4,
+    ],
+    ids=["sentence", "emoji bullets", "rating", "tree"],
+)
+def test_emoji_in_ordinary_text_is_not_soup(text):
+    assert symbol_soup(text) is None and not is_garbage(text)
+
+
 # --- classify -------------------------------------------------------------------------------
 
+
 def test_healthy_completion_has_no_reasons():
-    assert classify("<output>81</output>", [1, 2, 3], "stop", max_tokens=32, format_tag="output", expected_length=19) == []
+    assert (
+        classify("<output>81</output>", [1, 2, 3], "stop", max_tokens=32, format_tag="output", expected_length=19) == []
+    )
 
 
 def test_classify_reports_repetition_loop_with_detail():
@@ -188,7 +356,9 @@ def test_classify_reports_repetition_loop_with_detail():
 
 
 def test_classify_reports_length_cap_from_finish_reason():
-    assert classify("<output>8", [1] * 32, "length", max_tokens=32) == ["length_cap: stopped at 32 tokens (max_tokens=32)"]
+    assert classify("<output>8", [1] * 32, "length", max_tokens=32) == [
+        "length_cap: stopped at 32 tokens (max_tokens=32)"
+    ]
 
 
 def test_classify_reports_missing_format():
@@ -200,7 +370,9 @@ def test_classify_reports_open_tag_without_close_as_missing_format():
 
 
 def test_classify_reports_empty_tag_as_missing_format():
-    assert classify("<output> </output>", [1], "stop", 32, format_tag="output") == ["format_missing: <output></output> is empty"]
+    assert classify("<output> </output>", [1], "stop", 32, format_tag="output") == [
+        "format_missing: <output></output> is empty"
+    ]
 
 
 def test_classify_reports_garbage():
@@ -209,7 +381,9 @@ def test_classify_reports_garbage():
 
 
 def test_classify_reports_too_long():
-    assert classify("abcdefghijklmnopqrst", [1], "stop", 32, expected_length=5) == ["too_long: 20 chars > 3 x expected 5"]
+    assert classify("abcdefghijklmnopqrst", [1], "stop", 32, expected_length=5) == [
+        "too_long: 20 chars > 3 x expected 5"
+    ]
 
 
 def test_classify_uses_length_factor():
@@ -238,6 +412,7 @@ def test_bad_tag_name_is_rejected():
 
 # --- batch_health ---------------------------------------------------------------------------
 
+
 def test_batch_health_gives_exactly_the_three_means():
     texts = ["<output>1</output>", "\x00\x01\x02\x03"]
     ids = [[1, 2, 3, 4], [5, 5, 5, 5, 5]]
@@ -259,8 +434,15 @@ def test_batch_health_of_empty_batch_is_nan():
 
 # --- HealthGate -----------------------------------------------------------------------------
 
-HEALTHY = {"completions/clipped_ratio": 0.1, "health/ngram_repetition": 0.05, "health/garbage_ratio": 0.0,
-           "kl": 0.02, "rollout/logprob_diff_max": 0.01}
+HEALTHY = {
+    "completions/clipped_ratio": 0.1,
+    "health/ngram_repetition": 0.05,
+    "health/garbage_ratio": 0.0,
+    "kl": 0.02,
+    "sampling/sampling_logp_difference/max": 0.01,
+    "hacking/length_reward_corr": 0.1,
+    "hacking/group_diversity": 0.3,
+}
 
 
 def test_collapsing_run_trips_after_exactly_patience_steps():
@@ -303,8 +485,8 @@ def test_signals_are_counted_separately():
 
 def test_logprob_diff_message_says_what_it_means():
     gate = HealthGate(HealthConfig(patience=1))
-    reason = gate.update(1, {"rollout/logprob_diff_max": 3.0})
-    assert reason.startswith("collapsed: rollout/logprob_diff_max=3 > 0.5 for 1 consecutive step (")
+    reason = gate.update(1, {"sampling/sampling_logp_difference/max": 3.0})
+    assert reason.startswith("collapsed: sampling/sampling_logp_difference/max=3 > 0.5 for 1 consecutive step (")
     assert "engine and trainer disagree on logprobs" in reason
     assert "stale or double-applied adapter" in reason and "sampling configuration" in reason
 
