@@ -1,6 +1,7 @@
 """Trajectories generated elsewhere (rollout.engine: offline): logprobs are read from every shape tools
 write — never silently as NaN, the bug that turned importance sampling into REINFORCE — and a GRPO run
 on a trajectory file uses them as its old policy."""
+
 import json
 import math
 
@@ -16,28 +17,37 @@ from trainer.loop import GRPOTrainer, TrainingError
 LPS = [-0.25, -1.5, -0.0]
 
 
-@pytest.mark.parametrize("shape, value, ids", [
-    ("floats", LPS, None),
-    ("openai chat content", [{"token": "4", "logprob": x, "bytes": [52], "top_logprobs": []} for x in LPS], None),
-    ("openai chat logprobs", {"content": [{"token": "4", "logprob": x} for x in LPS], "refusal": None}, None),
-    ("openai completions", {"tokens": ["a", "b", "c"], "token_logprobs": LPS, "top_logprobs": None}, None),
-    ("vllm, one candidate each", [{"52": {"logprob": x, "rank": 1, "decoded_token": "4"}} for x in LPS], None),
-    ("vllm, several candidates", [{"52": {"logprob": x, "rank": 1}, "53": {"logprob": -9.0, "rank": 2}} for x in LPS],
-     [52, 52, 52]),
-    ("vllm, int keys and bare floats", [{52: x, 7: -9.0} for x in LPS], [52, 52, 52]),
-])
+@pytest.mark.parametrize(
+    "shape, value, ids",
+    [
+        ("floats", LPS, None),
+        ("openai chat content", [{"token": "4", "logprob": x, "bytes": [52], "top_logprobs": []} for x in LPS], None),
+        ("openai chat logprobs", {"content": [{"token": "4", "logprob": x} for x in LPS], "refusal": None}, None),
+        ("openai completions", {"tokens": ["a", "b", "c"], "token_logprobs": LPS, "top_logprobs": None}, None),
+        ("vllm, one candidate each", [{"52": {"logprob": x, "rank": 1, "decoded_token": "4"}} for x in LPS], None),
+        (
+            "vllm, several candidates",
+            [{"52": {"logprob": x, "rank": 1}, "53": {"logprob": -9.0, "rank": 2}} for x in LPS],
+            [52, 52, 52],
+        ),
+        ("vllm, int keys and bare floats", [{52: x, 7: -9.0} for x in LPS], [52, 52, 52]),
+    ],
+)
 def test_every_supported_shape_reads_the_same_floats(shape, value, ids):
     assert read_logprobs(value, ids) == LPS
 
 
-@pytest.mark.parametrize("value, message", [
-    ([{"token": "4"}, {"token": "5"}], "logprobs[0] is a dict with keys ['token'] and no 'logprob'"),
-    ([-0.1, None], "logprobs[1] is None, not a number; a missing logprob must not become ratio 1 (REINFORCE)"),
-    ([-0.1, float("nan")], "logprobs[1] is nan: a logprob must be finite and <= 0"),
-    ([0.7], "logprobs[0] is 0.7: a logprob must be finite and <= 0"),
-    ({"top_logprobs": []}, "logprobs is a dict with keys ['top_logprobs']; expected a list of floats"),
-    ("-0.1,-0.2", "logprobs is a str; expected"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ([{"token": "4"}, {"token": "5"}], "logprobs[0] is a dict with keys ['token'] and no 'logprob'"),
+        ([-0.1, None], "logprobs[1] is None, not a number; a missing logprob must not become ratio 1 (REINFORCE)"),
+        ([-0.1, float("nan")], "logprobs[1] is nan: a logprob must be finite and <= 0"),
+        ([0.7], "logprobs[0] is 0.7: a logprob must be finite and <= 0"),
+        ({"top_logprobs": []}, "logprobs is a dict with keys ['top_logprobs']; expected a list of floats"),
+        ("-0.1,-0.2", "logprobs is a str; expected"),
+    ],
+)
 def test_unreadable_logprobs_fail_naming_where_and_why(value, message):
     with pytest.raises(TrajectoryError) as e:
         read_logprobs(value)
@@ -66,14 +76,23 @@ def trajectories(tiny_model, tmp_path_factory):
 
     model, tokenizer = load_policy(ModelConfig(name_or_path=str(tiny_model), device="cpu"), LoraConfig(r=8, alpha=16))
     examples = arith_examples(6, seed=7)
-    groups = HFEngine(model, tokenizer, "cpu").generate([render_prompt(tokenizer, e.prompt) for e in examples],
-                                                        SamplingParams(n=G, max_tokens=24, seed=1))
+    groups = HFEngine(model, tokenizer, "cpu").generate(
+        [render_prompt(tokenizer, e.prompt) for e in examples], SamplingParams(n=G, max_tokens=24, seed=1)
+    )
     path = tmp_path_factory.mktemp("traj") / "trajectories.jsonl"
     with open(path, "w") as f:
         for e, group in zip(examples, groups):
-            completions = [{"token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason,
-                            "logprobs": [{"token": tokenizer.decode([t]), "logprob": lp} for t, lp in zip(c.token_ids, c.logprobs)]}
-                           for c in group]
+            completions = [
+                {
+                    "token_ids": c.token_ids,
+                    "text": c.text,
+                    "finish_reason": c.finish_reason,
+                    "logprobs": [
+                        {"token": tokenizer.decode([t]), "logprob": lp} for t, lp in zip(c.token_ids, c.logprobs)
+                    ],
+                }
+                for c in group
+            ]
             f.write(json.dumps({"prompt": e.prompt, "answer": e.answer, "completions": completions}) + "\n")
     return path
 
@@ -87,9 +106,14 @@ def rewrite(src, dst, change):
 
 
 def offline_trainer(tiny_model, path, out, **grpo):
-    spec = tiny_spec(tiny_model, data={"source": str(path)}, rollout={"engine": "offline", "max_tokens": 24},
-                     grpo={"num_generations": G, "prompts_per_step": 2, "beta": 0.04, **grpo},
-                     optim={"steps": 2, "learning_rate": 1e-3}, checkpoint={"every": 100})
+    spec = tiny_spec(
+        tiny_model,
+        data={"source": str(path)},
+        rollout={"engine": "offline", "max_tokens": 24},
+        grpo={"num_generations": G, "prompts_per_step": 2, "beta": 0.04, **grpo},
+        optim={"steps": 2, "learning_rate": 1e-3},
+        checkpoint={"every": 100},
+    )
     return GRPOTrainer(TrainerConfig.model_validate(spec), out, progress=False)
 
 
@@ -97,9 +121,9 @@ def test_a_run_on_trajectories_uses_their_logprobs_as_the_old_policy(tiny_model,
     t = offline_trainer(tiny_model, trajectories, tmp_path)
     result = t.train(2)
     first = result.history[0]
-    assert first["is/frac_old_logprobs_valid"] == 1.0
+    assert first["sampling/frac_logprobs_valid"] == 1.0
     # sampled from the same weights the run starts from: read right, they equal the trainer's own logprobs
-    assert first["rollout/logprob_diff_max"] < 1e-4
+    assert first["sampling/sampling_logp_difference/max"] < 1e-4
     assert math.isfinite(first["loss"]) and result.last_step == 2
 
 
@@ -108,39 +132,69 @@ def test_logprobs_that_belong_to_another_policy_show_in_the_ratio(tiny_model, tr
         for c in row["completions"]:
             for entry in c["logprobs"]:
                 entry["logprob"] -= 0.3
+
     path = rewrite(trajectories, tmp_path / "shifted.jsonl", older_policy)
     m = offline_trainer(tiny_model, path, tmp_path / "run").train(1).history[0]
-    assert m["rollout/logprob_diff_mean"] == pytest.approx(0.3, abs=1e-4)
-    assert m["is/mean_importance_ratio"] == pytest.approx(math.exp(0.3), rel=1e-3)
+    assert m["sampling/sampling_logp_difference/mean"] == pytest.approx(0.3, abs=1e-4)
+    # pi_old is the trainer's, so the clipped ratio starts at 1; the difference is the correction weight
+    assert m["policy_ratio/mean"] == 1.0
+    assert m["sampling/importance_sampling_ratio/mean"] == pytest.approx(math.exp(0.3), rel=1e-3)
 
 
-def test_trajectories_without_logprobs_fail_loudly_or_are_recomputed(tiny_model, trajectories, tmp_path):
+def test_a_policy_beyond_the_bounds_is_truncated_by_tis_and_left_out_by_mis(tiny_model, trajectories, tmp_path):
+    """Logprobs 1 nat below the run's policy on every token: pi_old / pi_engine = e = 2.72, above the bound 2.
+    TIS caps every weight at 2; MIS leaves every token out of the loss, so the step's loss and gradient are 0."""
+
+    def far_older_policy(row):
+        for c in row["completions"]:
+            for entry in c["logprobs"]:
+                entry["logprob"] -= 1.0
+
+    path = rewrite(trajectories, tmp_path / "far.jsonl", far_older_policy)
+    tis = offline_trainer(tiny_model, path, tmp_path / "tis").train(1).history[0]
+    assert tis["sampling/truncated_fraction"] == 1.0 and tis["sampling/masked_fraction"] == 0.0
+    assert tis["sampling/importance_sampling_ratio/min"] == tis["sampling/importance_sampling_ratio/max"] == 2.0
+    assert tis["grad_norm"] > 0
+    mis = offline_trainer(tiny_model, path, tmp_path / "mis", rollout_correction={"mode": "mis"}).train(1).history[0]
+    assert mis["sampling/masked_fraction"] == 1.0 and mis["sampling/importance_sampling_ratio/max"] == 0.0
+    assert mis["loss"] == 0.0 and mis["grad_norm"] == 0.0
+
+
+def test_trajectories_without_logprobs_fail_loudly_or_train_uncorrected(tiny_model, trajectories, tmp_path):
     def strip(row):
         for c in row["completions"]:
             del c["logprobs"]
+
     path = rewrite(trajectories, tmp_path / "bare.jsonl", strip)
-    with pytest.raises(TrainingError, match="REINFORCE"):
+    with pytest.raises(TrainingError, match="'offline' rollout engine returned no logprobs.*correction.mode: off"):
         offline_trainer(tiny_model, path, tmp_path / "a").train(1)
-    m = offline_trainer(tiny_model, path, tmp_path / "b", old_logprobs="recompute").train(1).history[0]
-    assert m["is/frac_old_logprobs_valid"] == 1.0 and math.isnan(m["rollout/logprob_diff_max"])
+    m = offline_trainer(tiny_model, path, tmp_path / "b", rollout_correction={"mode": "off"}).train(1).history[0]
+    assert m["sampling/frac_logprobs_valid"] == 0.0 and math.isnan(m["sampling/sampling_logp_difference/max"])
 
 
 def test_a_plain_dict_without_logprob_is_refused_naming_the_line(tiny_model, trajectories, tmp_path):
     def plain(row):
         for c in row["completions"]:
             c["logprobs"] = [{"token": e["token"]} for e in c["logprobs"]]
+
     path = rewrite(trajectories, tmp_path / "plain.jsonl", plain)
-    with pytest.raises(TrajectoryError, match=r"plain.jsonl:1 completions\[0\]\.logprobs\[0\] is a dict with keys \['token'\] and no 'logprob'"):
+    with pytest.raises(
+        TrajectoryError,
+        match=r"plain.jsonl:1 completions\[0\]\.logprobs\[0\] is a dict with keys \['token'\] and no 'logprob'",
+    ):
         offline_trainer(tiny_model, path, tmp_path / "run")
 
 
 def test_a_group_of_another_size_is_refused_with_the_fix(tiny_model, trajectories, tmp_path):
-    with pytest.raises(TrajectoryError, match=r"trajectories.jsonl:\d+ has 4 completions but grpo.num_generations is 8"):
+    with pytest.raises(
+        TrajectoryError, match=r"trajectories.jsonl:\d+ has 4 completions but grpo.num_generations is 8"
+    ):
         t = offline_trainer(tiny_model, trajectories, tmp_path, num_generations=8)
         t.train(1)
 
 
 def test_offline_needs_a_trajectory_file_as_data_source():
     from tasks.spec import SpecError, load_spec
+
     with pytest.raises(SpecError, match="rollout.engine: offline reads its completions from data.source"):
         load_spec({"model": {"name_or_path": "m"}, "rollout": {"engine": "offline"}})

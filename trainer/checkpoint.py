@@ -1,56 +1,74 @@
-"""Checkpoints: the whole training state, written atomically, verified on load.
+"""Checkpoints: the one home of the format — layout, names, manifest, hashing, saving and loading.
 
 ```
 step-000120/
-  adapter/          peft save_pretrained (safetensors); `model/` instead for full fine-tuning
-  tokenizer/        the tokenizer the run trained with (a mismatch is a classic silent bug)
-  state/            optimizer.pt, scheduler.pt (torch.save, loaded with weights_only=True),
-                    rng.json (python, numpy, torch), trainer_state.json (step, sampler, health gate),
-                    lagged.safetensors (reference snapshots for kl_ref_step_lag)
-  manifest.json     sha256 of every file, base model identity, code ref, lineage, config hash,
-                    logprob fingerprint
+  adapter/        peft save_pretrained (safetensors); for full fine-tuning `model/` instead, a complete Hugging
+                  Face model directory (weights, config, generation config *and* tokenizer) anyone can load
+  tokenizer/      the tokenizer the run trained with (a mismatch is a classic silent bug)
+  state/          optimizer.pt, scheduler.pt (loaded with weights_only=True), rng.json, trainer_state.json,
+                  lagged.safetensors (reference snapshots for kl_ref_step_lag)
+  manifest.json   sha256 of every file, base model identity, code ref, lineage, config hash, logprob fingerprint
 ```
 
-A checkpoint is written into `.tmp-step-NNNNNN-<pid>/` beside its final place and renamed into place
-only when complete, so a process killed mid-write leaves a temporary directory (ignored, cleaned
-later) and never a half checkpoint. Loading verifies every hash in the manifest and refuses a
-mismatch naming the file. No pickles beyond `torch.load(weights_only=True)`.
+Written into `.tmp-step-NNNNNN-<pid>/` and renamed into place when complete, so a killed process leaves a
+temporary directory (ignored, cleaned later), never a half checkpoint. `Checkpoint.open` verifies every hash
+and refuses a mismatch naming the file; fork, train/resume, eval, probe and the store all read checkpoints
+through it. No pickles beyond `torch.load(weights_only=True)`.
 
 `BALLAST_FAULT=kill-in-checkpoint:<step>` SIGKILLs the process half-way through writing that step's
-checkpoint, and `kill-in-step:<step>` half-way through that step (after its rollouts): the
-fault-injection hooks the resume tests use.
+checkpoint, `kill-in-step:<step>` half-way through that step: the hooks the resume tests use.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from peft import set_peft_model_state_dict
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from .config import InputError, LoraConfig, ModelConfig
+from .model import load_policy
 
 MANIFEST = "manifest.json"
 FORMAT = "ballast-checkpoint/1"
+STEP_DIR = re.compile(r"step-(\d{6,})")
+HASH_BLOCK = 1 << 20
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, incomplete or altered."""
+class CheckpointError(InputError):
+    """A checkpoint that is missing, incomplete or altered, or that the run cannot resume from."""
+
+
+# ── names and hashes ───────────────────────────────────────────────────────────────────────────────
 
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
+def parse_step_dir(name: str) -> int | None:
+    """The step of a directory named like `step-000120`; None for any other name."""
+    m = STEP_DIR.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
+        for block in iter(lambda: f.read(HASH_BLOCK), b""):
             h.update(block)
     return h.hexdigest()
 
@@ -59,9 +77,18 @@ def code_ref() -> dict:
     """The commit of the Ballast checkout running this code, and whether it has uncommitted changes."""
     here = Path(__file__).resolve().parent
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                                    capture_output=True, text=True, timeout=10).stdout.strip())
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=here,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+        )
     except (OSError, subprocess.SubprocessError):
         commit, dirty = "", False
     return {"commit": commit or "unknown", "dirty": dirty}
@@ -73,47 +100,129 @@ def fault_point(name: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def save_checkpoint(root: Path, step: int, *, model, tokenizer, optimizer, scheduler, trainer_state: dict,
-                    manifest_extra: dict, lagged: list[dict[str, torch.Tensor]] | None = None, keep_last: int | None = None) -> Path:
-    """Write step-NNNNNN under root atomically; returns its path. `manifest_extra` holds base model
-    identity, lineage, config hash and fingerprint; `trainer_state` must be JSON-serialisable."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / step_dir_name(step)
-    tmp = root / f".tmp-{step_dir_name(step)}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    (tmp / "state").mkdir(parents=True)
-    is_peft = hasattr(model, "peft_config")
-    model.save_pretrained(tmp / ("adapter" if is_peft else "model"), safe_serialization=True)
-    tokenizer.save_pretrained(tmp / "tokenizer")
-    fault_point("kill-in-checkpoint", step)
-    torch.save(optimizer.state_dict(), tmp / "state" / "optimizer.pt")
-    torch.save(scheduler.state_dict(), tmp / "state" / "scheduler.pt")
-    (tmp / "state" / "rng.json").write_text(json.dumps(capture_rng()))
-    (tmp / "state" / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1, sort_keys=True))
-    if lagged:
-        from safetensors.torch import save_file
-        flat = {f"{i}/{name}": t.contiguous() for i, snap in enumerate(lagged) for name, t in snap.items()}
-        save_file(flat, str(tmp / "state" / "lagged.safetensors"), metadata={"count": str(len(lagged))})
-    files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
-    manifest = {"format": FORMAT, "step": step, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "weights": "adapter" if is_peft else "model", "files": files, **manifest_extra}
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    _fsync_tree(tmp)
-    if final.exists():  # re-saving a step (e.g. after a resume) replaces the old copy
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    if keep_last:
-        apply_retention(root, keep_last)
-    return final
+# ── reading ────────────────────────────────────────────────────────────────────────────────────────
 
 
-def _fsync_tree(path: Path) -> None:
-    for p in path.rglob("*"):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
+@dataclass
+class TrainingState:
+    """What a resume restores besides the weights."""
+
+    optimizer: dict
+    scheduler: dict
+    rng: dict
+    trainer: dict  # step, sampler, health gate, resumable config
+    lagged: list[dict]  # reference snapshots (kl_ref_step_lag), oldest first
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A saved checkpoint directory and its manifest. Make one with `Checkpoint.open(path)`."""
+
+    path: Path
+    manifest: dict
+
+    @classmethod
+    def open(cls, path: str | Path, verify: bool = True) -> Checkpoint:
+        """The checkpoint at `path`; with `verify`, every file is checked against its sha256 first."""
+        path = Path(path)
+        manifest = read_manifest(path)
+        if verify:
+            _verify_files(path, manifest)
+        return cls(path, manifest)
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    @property
+    def weights(self) -> str:
+        """'adapter' (LoRA) or 'model' (full fine-tuning)."""
+        return self.manifest.get("weights", "adapter")
+
+    @property
+    def weights_dir(self) -> Path:
+        return self.path / self.weights
+
+    @property
+    def adapter_dir(self) -> Path | None:
+        return self.path / "adapter" if self.weights == "adapter" else None
+
+    @property
+    def model_dir(self) -> Path | None:
+        """A complete Hugging Face model directory (full fine-tuning only)."""
+        return self.path / "model" if self.weights == "model" else None
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.path / "tokenizer"
+
+    @property
+    def fingerprint(self) -> dict | None:
+        return self.manifest.get("fingerprint")
+
+    @property
+    def base_model(self) -> dict:
+        return self.manifest.get("base_model") or {}
+
+    @property
+    def lora(self) -> dict | None:
+        return self.manifest.get("lora")
+
+    @property
+    def code_ref(self) -> dict | None:
+        return self.manifest.get("code_ref")
+
+    def trainer_state(self) -> dict:
+        """state/trainer_state.json alone (step, sampler, the resumable config the run trained with), read without
+        loading the optimizer."""
+        return json.loads((self.path / "state" / "trainer_state.json").read_text())
+
+    def training_state(self) -> TrainingState:
+        state = self.path / "state"
+        lagged: list[dict] = []
+        lag_file = state / "lagged.safetensors"
+        if lag_file.exists():
+            with safe_open(str(lag_file), "pt") as f:
+                lagged = [{} for _ in range(int(f.metadata()["count"]))]
+                for key in f.keys():
+                    i, name = key.split("/", 1)
+                    lagged[int(i)][name] = f.get_tensor(key)
+        return TrainingState(
+            optimizer=torch.load(state / "optimizer.pt", weights_only=True, map_location="cpu"),
+            scheduler=torch.load(state / "scheduler.pt", weights_only=True, map_location="cpu"),
+            rng=json.loads((state / "rng.json").read_text()),
+            trainer=json.loads((state / "trainer_state.json").read_text()),
+            lagged=lagged,
+        )
+
+    def load_policy(self, model_cfg: ModelConfig, lora_cfg: LoraConfig | None = None, trainable: bool = False):
+        """(model, tokenizer) from this checkpoint alone — never a trainer's memory: the base model named by
+        `model_cfg` with the saved adapter, or the saved full model directory (with its own tokenizer)."""
+        lora_cfg = lora_cfg or LoraConfig()
+        if self.adapter_dir is not None:
+            return load_policy(
+                model_cfg,
+                lora_cfg.model_copy(update={"enabled": True}),
+                adapter_path=str(self.adapter_dir),
+                trainable=trainable,
+            )
+        saved = model_cfg.model_copy(update={"name_or_path": str(self.model_dir), "build_if_missing": None})
+        return load_policy(saved, lora_cfg.model_copy(update={"enabled": False}), trainable=trainable)
+
+    def load_weights_into(self, model) -> None:
+        """Copy the saved weights into `model` (a peft model for an adapter checkpoint, else the full model)."""
+        if self.adapter_dir is not None:
+            result = set_peft_model_state_dict(model, load_file(str(self.adapter_dir / "adapter_model.safetensors")))
+            if getattr(result, "unexpected_keys", None):
+                raise CheckpointError(
+                    f"checkpoint {self.path}: adapter has unexpected weights "
+                    f"{result.unexpected_keys[:3]}; it was saved with a different LoRA configuration"
+                )
+            return
+        state = {}
+        for f in sorted(self.model_dir.glob("*.safetensors")):
+            state.update(load_file(str(f)))
+        model.load_state_dict(state, strict=False)
 
 
 def read_manifest(path: Path) -> dict:
@@ -125,56 +234,130 @@ def read_manifest(path: Path) -> dict:
         raise CheckpointError(f"checkpoint {path} has no {MANIFEST}: it is incomplete or not a Ballast checkpoint")
     try:
         manifest = json.loads(mf.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{mf} is not valid JSON ({e}); the checkpoint is corrupt") from None
-    if manifest.get("format") != FORMAT or "files" not in manifest:
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != FORMAT
+        or not isinstance(manifest.get("files"), dict)
+    ):
         raise CheckpointError(f"{mf} is not a {FORMAT} manifest")
     return manifest
 
 
-def verify_checkpoint(path: Path) -> dict:
-    """The manifest, after checking every file's sha256; raises CheckpointError naming the first bad file."""
-    path = Path(path)
-    manifest = read_manifest(path)
-    for rel, digest in manifest["files"].items():
-        f = path / rel
+def verify_files(path: Path, files: dict[str, str], where: str | None = None) -> None:
+    """Check every file of a manifest's `files` map (relative path -> sha256) under `path`; raises CheckpointError
+    naming the first that is missing, altered or outside `path`. `where` names the artifact in messages."""
+    where = where or f"checkpoint {path}"
+    root = Path(path).resolve()
+    for rel, digest in sorted(files.items()):
+        f = (root / rel).resolve()
+        if root not in f.parents:
+            raise CheckpointError(f"{where}: the manifest names {rel!r}, outside the artifact; the manifest is corrupt")
         if not f.is_file():
-            raise CheckpointError(f"checkpoint {path}: file {rel} listed in the manifest is missing; the checkpoint is incomplete")
-        if sha256_file(f) != digest:
-            raise CheckpointError(f"checkpoint {path}: file {rel} does not match its sha256 in the manifest; "
-                                  "it was altered or corrupted after saving — restore it or resume from an earlier checkpoint")
-    extra = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != MANIFEST
-                   and str(p.relative_to(path)) not in manifest["files"])
+            raise CheckpointError(f"{where}: file {rel} listed in the manifest is missing; it is incomplete")
+        if sha256_file(f) != str(digest).removeprefix("sha256:").lower():
+            raise CheckpointError(
+                f"{where}: file {rel} does not match its sha256 in the manifest; it was altered or "
+                "corrupted after saving — restore it or resume from an earlier checkpoint"
+            )
+
+
+def _verify_files(path: Path, manifest: dict) -> None:
+    verify_files(path, manifest["files"])
+    extra = sorted(
+        str(p.relative_to(path))
+        for p in path.rglob("*")
+        if p.is_file() and p.name != MANIFEST and str(p.relative_to(path)) not in manifest["files"]
+    )
     if extra:
-        raise CheckpointError(f"checkpoint {path}: file {extra[0]} is not in the manifest; something was added after saving")
-    return manifest
+        raise CheckpointError(
+            f"checkpoint {path}: file {extra[0]} is not in the manifest; something was added after saving"
+        )
 
 
 def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every checkpoint directory under root, oldest first (not verified)."""
     root = Path(root)
     if not root.is_dir():
         return []
-    out = []
-    for p in root.iterdir():
-        if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit():
-            out.append((int(p.name[5:]), p))
-    return sorted(out)
+    found = ((parse_step_dir(p.name), p) for p in root.iterdir() if p.is_dir())
+    return sorted((step, p) for step, p in found if step is not None)
 
 
-def latest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint under root, verified. Temporary directories of interrupted
-    writes are ignored (and removed); an altered newest checkpoint raises rather than silently
-    falling back to an older one."""
+def latest_checkpoint(root: Path) -> Checkpoint | None:
+    """The newest complete checkpoint under root, verified. Temporary directories of interrupted writes are
+    removed; an altered newest checkpoint raises rather than silently falling back to an older one."""
     root = Path(root)
     if root.is_dir():
         for p in root.glob(".tmp-step-*"):
             shutil.rmtree(p, ignore_errors=True)
     found = list_checkpoints(root)
-    if not found:
-        return None
-    path = found[-1][1]
-    verify_checkpoint(path)
-    return path
+    return Checkpoint.open(found[-1][1]) if found else None
+
+
+# ── writing ────────────────────────────────────────────────────────────────────────────────────────
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    *,
+    model,
+    tokenizer,
+    optimizer,
+    scheduler,
+    trainer_state: dict,
+    manifest_extra: dict,
+    lagged: list[dict[str, torch.Tensor]] | None = None,
+    keep_last: int | None = None,
+) -> Checkpoint:
+    """Write step-NNNNNN under root atomically. `manifest_extra` holds base model identity, lineage, config hash
+    and fingerprint; `trainer_state` must be JSON-serialisable."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / step_dir_name(step)
+    tmp = root / f".tmp-{step_dir_name(step)}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    (tmp / "state").mkdir(parents=True)
+    weights = "adapter" if hasattr(model, "peft_config") else "model"
+    model.save_pretrained(tmp / weights, safe_serialization=True)
+    if weights == "model":
+        tokenizer.save_pretrained(tmp / "model")  # a full fine-tune is a complete model directory
+    tokenizer.save_pretrained(tmp / "tokenizer")
+    fault_point("kill-in-checkpoint", step)
+    torch.save(optimizer.state_dict(), tmp / "state" / "optimizer.pt")
+    torch.save(scheduler.state_dict(), tmp / "state" / "scheduler.pt")
+    (tmp / "state" / "rng.json").write_text(json.dumps(capture_rng()))
+    (tmp / "state" / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1, sort_keys=True))
+    if lagged:
+        flat = {f"{i}/{name}": t.contiguous() for i, snap in enumerate(lagged) for name, t in snap.items()}
+        save_file(flat, str(tmp / "state" / "lagged.safetensors"), metadata={"count": str(len(lagged))})
+    files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+    manifest = {
+        "format": FORMAT,
+        "step": step,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "weights": weights,
+        "files": files,
+        **manifest_extra,
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    _fsync_tree(tmp)
+    if final.exists():  # re-saving a step (e.g. after a resume) replaces the old copy
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    if keep_last:
+        apply_retention(root, keep_last)
+    return Checkpoint(final, manifest)
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in path.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
 
 
 def apply_retention(root: Path, keep_last: int) -> list[Path]:
@@ -185,27 +368,7 @@ def apply_retention(root: Path, keep_last: int) -> list[Path]:
     return removed
 
 
-def load_state(path: Path) -> dict:
-    """Optimizer and scheduler state dicts, RNG state, trainer state and lagged snapshots of a verified checkpoint."""
-    state = Path(path) / "state"
-    out = {
-        "optimizer": torch.load(state / "optimizer.pt", weights_only=True, map_location="cpu"),
-        "scheduler": torch.load(state / "scheduler.pt", weights_only=True, map_location="cpu"),
-        "rng": json.loads((state / "rng.json").read_text()),
-        "trainer_state": json.loads((state / "trainer_state.json").read_text()),
-        "lagged": [],
-    }
-    lag_file = state / "lagged.safetensors"
-    if lag_file.exists():
-        from safetensors import safe_open
-        with safe_open(str(lag_file), "pt") as f:
-            count = int(f.metadata()["count"])
-            snaps: list[dict] = [{} for _ in range(count)]
-            for key in f.keys():
-                i, name = key.split("/", 1)
-                snaps[int(i)][name] = f.get_tensor(key)
-        out["lagged"] = snaps
-    return out
+# ── random state ───────────────────────────────────────────────────────────────────────────────────
 
 
 def capture_rng() -> dict:

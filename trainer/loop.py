@@ -7,46 +7,64 @@ Reads top to bottom in the order the data flows. The choices, on purpose:
   one line per step (and, with `eval.on_start`, a line for step 0 holding only the eval/* metrics of
   the model before training, as TRL's eval_on_start logs them).
 - Rollouts of step k are seeded from (rollout.seed, k), so a resumed run samples exactly what an
-  uninterrupted run would; the prompt sampler's position is part of the checkpoint.
-- Old (behaviour) logprobs come from the engine by default. If the engine gives none for some tokens
-  the step fails (`grpo.require_old_logprobs`), because a ratio of 1 silently turns importance
-  sampling into REINFORCE; `grpo.old_logprobs: recompute` recomputes them with the trainer instead.
-  `is/frac_old_logprobs_valid` shows the share that was real either way.
-- The trainer's logprobs of the sampled tokens before the first update are compared with the engine's
-  every step (`rollout/logprob_diff_*`): a stale or double-applied adapter shows up at once.
+  uninterrupted run would; the prompt sampler's position is part of the checkpoint. With
+  rollout.max_off_policy_steps: k they are sampled up to k steps ahead, by older weights on a fixed schedule,
+  while the trainer updates (trainer/rollouts.py); batches in flight at a checkpoint are saved with it.
+- pi_old is the trainer's: its logprobs of the sampled tokens from the first update's own forward,
+  detached (no extra forward), kept for later passes (num_iterations). The engine's logprobs are
+  compared with them every step (`sampling/sampling_logp_difference/*`: a stale or double-applied
+  adapter shows at once) and become the rollout-correction weight pi_old / pi_engine
+  (`grpo.rollout_correction`, TIS by default). A step whose correction needs engine logprobs and gets
+  none fails, naming the engine, instead of silently training as if it had sampled the trainer's policy.
+- The loss normalisers are the whole batch's, fixed before the micro-batch loop, so a step's loss and
+  gradient do not depend on optim.gradient_accumulation_steps.
 - The reference for the KL term is the base model (LoRA adapter disabled; a frozen copy for full
   fine-tuning) or, with `kl_ref_step_lag: k`, the policy k steps back (snapshots of the trainable
   weights, saved in the checkpoint so a resume is exact).
 - The trainer knows nothing of Prefect, MLflow or Optuna: it reports through `Callbacks`.
+- SIGTERM (preemption) and SIGINT (Ctrl-C) during the loop stop it at a safe point (`SafePoint`): the step in
+  progress finishes, a checkpoint is saved there, and `RunResult.interrupted` names the signal.
 """
+
 from __future__ import annotations
 
 import copy
 import hashlib
 import json
 import math
-import random
+import os
+import signal
+import threading
 import time
 from collections import deque
-from contextlib import contextmanager, nullcontext
+from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
-import numpy as np
 import torch
+from transformers import set_seed
 
 from . import checkpoint as ckpt
 from .advantages import compute_advantages
 from .config import TrainerConfig
 from .data import PromptSampler, data_fingerprint, load_datasets, render_prompt
-from .engines.base import SamplingParams
-from .evaluate import evaluate
-from .health import HealthGate, batch_health
+from .evaluate import evaluate_with_samples
+from .health import HealthGate, batch_health, hacking_signals
 from .logprobs import completion_logprobs
-from .loss import grpo_loss
+from .loss import BatchTotals, LossTerms, grpo_loss, rollout_correction
+from .metrics import (
+    completion_metrics,
+    entropy_metric,
+    mean_over_updates,
+    reward_metrics,
+    sampling_metrics,
+    update_metrics,
+)
 from .model import ensure_model, load_policy, logprob_fingerprint, model_identity, resolve_device
 from .rewards import RewardComputer
+from .rollouts import RolloutProducer
+from .samples import EVAL_SAMPLES_FILE, SAMPLES_FILE, append_rows, sample_rows
 
 
 class TrainingError(RuntimeError):
@@ -58,7 +76,7 @@ class Callbacks:
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None: ...
 
-    def on_checkpoint(self, step: int, path: Path, manifest: dict) -> None: ...
+    def on_checkpoint(self, checkpoint: ckpt.Checkpoint) -> None: ...
 
     def should_stop(self, step: int, metrics: dict[str, float]) -> str | None:
         return None
@@ -70,7 +88,8 @@ class RunResult:
     stopped: str | None
     last_checkpoint: Path | None
     history: list[dict] = field(default_factory=list)
-    eval_start: dict | None = None    # eval/* before the first step (eval.on_start), logged as step 0
+    eval_start: dict | None = None  # eval/* before the first step (eval.on_start), logged as step 0
+    interrupted: str | None = None  # the signal that stopped the run at a safe point (SafePoint)
 
 
 def config_hash(cfg: TrainerConfig) -> str:
@@ -85,18 +104,28 @@ def _resumable_view(cfg: TrainerConfig) -> dict:
 
 
 class GRPOTrainer:
-    def __init__(self, cfg: TrainerConfig, output_dir: str | Path, callbacks: Sequence[Callbacks] = (),
-                 init_adapter: str | Path | None = None, lineage: dict | None = None, progress: bool = True, engine=None):
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        output_dir: str | Path,
+        callbacks: Sequence[Callbacks] = (),
+        init_adapter: str | Path | None = None,
+        lineage: dict | None = None,
+        progress: bool = True,
+        engine=None,
+    ):
         self.cfg, self.out = cfg, Path(output_dir)
         self.callbacks, self.lineage, self.progress = list(callbacks), dict(lineage or {}), progress
         self.ckpt_root = self.out / "checkpoints"
         self.out.mkdir(parents=True, exist_ok=True)
-        _seed_everything(cfg.optim.seed)
+        set_seed(cfg.optim.seed)  # Python's random, numpy, torch (and CUDA)
 
         # ---------------------------------------------------------------- model, reference, optimizer
         ensure_model(cfg.model)
         self.device = resolve_device(cfg.model.device)
-        self.model, self.tokenizer = load_policy(cfg.model, cfg.lora, adapter_path=str(init_adapter) if init_adapter else None)
+        self.model, self.tokenizer = load_policy(
+            cfg.model, cfg.lora, adapter_path=str(init_adapter) if init_adapter else None
+        )
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
@@ -106,51 +135,78 @@ class GRPOTrainer:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.lagged: deque = deque(maxlen=(g.kl_ref_step_lag or 0) + 1)
         o = cfg.optim
-        self.optimizer = torch.optim.AdamW(self.params, lr=o.learning_rate, betas=(o.adam_beta1, o.adam_beta2), weight_decay=o.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(o.schedule, o.warmup_steps, o.steps * g.num_iterations))
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=o.learning_rate, betas=(o.adam_beta1, o.adam_beta2), weight_decay=o.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, _lr_lambda(o.schedule, o.warmup_steps, o.steps * g.num_iterations)
+        )
 
         # ---------------------------------------------------------------- data, rewards, health, engine
         self.train_set, self.eval_set = load_datasets(cfg.data)
         self.sampler = PromptSampler(len(self.train_set), cfg.data.seed)
         self._prompt_cache: dict[int, list[int]] = {}
-        self.rewards = RewardComputer(cfg.rewards)
-        self.gate = HealthGate(cfg.health)
-        self.engine = engine or self._make_engine()
+        self.rewards = RewardComputer(cfg.rewards, group_size=g.num_generations, output_dir=self.out)
+        self.gate = HealthGate(
+            cfg.health,
+            correctness=self.rewards.accuracy_name(cfg.eval.reward),
+            weights=dict(zip(self.rewards.names, self.rewards.weights)),
+        )
+        self.rollouts = RolloutProducer(cfg, engine or self._make_engine(), self.sampler, self._prompt)
         self.step = 0
+        self.num_tokens = 0  # prompt + completion tokens of all steps so far (TRL's num_tokens)
         self.last_prompt_indices: list[int] = []
+
+    @property
+    def engine(self):
+        """The rollout engine (the producer's); assign another before the first step to sample with it."""
+        return self.rollouts.engine
+
+    @engine.setter
+    def engine(self, engine) -> None:
+        self.rollouts.engine = engine
 
     def _make_engine(self):
         if self.cfg.rollout.engine == "hf":
             from .engines.hf import HFEngine
-            return HFEngine(self.model, self.tokenizer, self.device)
+
+            return HFEngine(self.model, self.tokenizer, self.device, compile_decode=self.cfg.rollout.compile_decode)
         if self.cfg.rollout.engine == "offline":
             from .engines.offline import OfflineEngine
-            return OfflineEngine(self.cfg.data.source, self.tokenizer, render_prompt)
+
+            return OfflineEngine(
+                self.cfg.data.source,
+                self.tokenizer,
+                lambda tokenizer, prompt: render_prompt(tokenizer, prompt, self.cfg.data),
+            )
         from .engines.vllm import VLLMEngine
+
         return VLLMEngine.from_config(self.cfg, self.tokenizer, self.out / "vllm")
 
     # -------------------------------------------------------------------- resume
     def resume(self) -> Path | None:
-        """Load the newest valid checkpoint under output_dir, if any; returns it."""
-        path = ckpt.latest_checkpoint(self.ckpt_root)
-        if path is None:
+        """Load the newest valid checkpoint under output_dir, if any; returns its path."""
+        checkpoint = ckpt.latest_checkpoint(self.ckpt_root)
+        if checkpoint is None:
             return None
-        manifest = ckpt.verify_checkpoint(path)
-        state = ckpt.load_state(path)
-        ts = state["trainer_state"]
-        _refuse_changed_config(ts.get("config", {}), _resumable_view(self.cfg), path)
-        _load_weights(self.model, path, manifest)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.sampler.load_state_dict(ts["sampler"])
-        self.gate.load_state_dict(ts["health_gate"])
+        state = checkpoint.training_state()
+        _refuse_changed_config(state.trainer.get("config", {}), _resumable_view(self.cfg), checkpoint.path)
+        checkpoint.load_weights_into(self.model)
+        self.optimizer.load_state_dict(state.optimizer)
+        self.scheduler.load_state_dict(state.scheduler)
+        self.sampler.load_state_dict(state.trainer["sampler"])
+        self.rollouts.load_state_dict(state.trainer.get("rollouts"))
+        self.gate.load_state_dict(state.trainer["health_gate"])
         self.lagged.clear()
-        self.lagged.extend(state["lagged"])
-        ckpt.restore_rng(state["rng"])
-        self.step = ts["step"]
+        self.lagged.extend(state.lagged)
+        ckpt.restore_rng(state.rng)
+        self.step = state.trainer["step"]
+        self.num_tokens = state.trainer.get("num_tokens", 0)
         _truncate_metrics(self.out / "metrics.jsonl", self.step)
         _truncate_metrics(self.out / "prompts.jsonl", self.step)
-        return path
+        for samples in (SAMPLES_FILE, EVAL_SAMPLES_FILE):
+            _truncate_metrics(self.out / samples, self.step)
+        return checkpoint.path
 
     # -------------------------------------------------------------------- one step
     def train_step(self, step: int) -> dict[str, float]:
@@ -159,16 +215,12 @@ class GRPOTrainer:
         if g.kl_ref_step_lag:
             self.lagged.append({n: p.detach().to("cpu", copy=True) for n, p in self.named_params})
 
-        # 1. prompts
-        indices = self.sampler.next_batch(g.prompts_per_step)
+        # 1-2. prompts and rollouts: this step's batch, sampled now or (max_off_policy_steps) up to k steps ago
+        sampled = self.rollouts.take(step, self.model)
+        indices, completions = sampled.prompt_indices, sampled.completions
         examples = [self.train_set[i] for i in indices]
-        prompt_ids = [self._prompt(i) for i in indices]
-
-        # 2. rollouts
-        self.engine.sync_weights(self.model, step)
-        params = SamplingParams.from_rollout(cfg.rollout, n=g.num_generations, seed=cfg.rollout.seed * 1_000_003 + step)
-        completions = [c for group in self.engine.generate(prompt_ids, params) for c in group]
         t_rollout = time.perf_counter()
+        staleness = sampled.versions_behind(step - 1)  # per completion: versions between its sampler and pi_old
         ckpt.fault_point("kill-in-step", step)
         self.last_prompt_indices = indices
 
@@ -181,101 +233,133 @@ class GRPOTrainer:
 
         # 4. advantages
         truncated = torch.tensor([c.finish_reason == "length" for c in completions])
-        adv = compute_advantages(torch.tensor(total, dtype=torch.float32), g.num_generations, g.scale_rewards,
-                                 truncated=truncated, mask_truncated=g.mask_truncated_completions,
-                                 drop_zero_std_groups=g.drop_zero_std_groups)
+        adv = compute_advantages(
+            torch.tensor(total, dtype=torch.float32),
+            g.num_generations,
+            g.scale_rewards,
+            truncated=truncated,
+            mask_truncated=g.mask_truncated_completions,
+            drop_zero_std_groups=g.drop_zero_std_groups,
+        )
 
-        # 5. batch tensors: left-padded prompt, right-padded completion
+        # 5. batch tensors: left-padded prompt, right-padded completion; the whole batch's loss normalisers
         batch = _pack(completions, self.tokenizer.pad_token_id)
-        token_mask = batch["completion_mask"]
-        loss_mask = token_mask * adv.loss_mask_seq.float().unsqueeze(1)
-        engine_lp = batch["engine_logprobs"]
-        valid = torch.isfinite(engine_lp) & token_mask.bool()
-        n_tokens = int(token_mask.sum())
-        frac_valid = float(valid.sum()) / max(n_tokens, 1)
-        if g.old_logprobs == "engine" and frac_valid < 1.0 and g.require_old_logprobs:
-            missing = n_tokens - int(valid.sum())
+        token_mask = batch["completion_mask"].to(self.device)  # every completion token
+        loss_mask = token_mask * adv.loss_mask_seq.float().to(self.device).unsqueeze(1)  # those in the loss
+        engine_lp = batch["engine_logprobs"].to(self.device)
+        missing = int((~torch.isfinite(engine_lp) & token_mask.bool()).sum())
+        correction = g.rollout_correction
+        if missing and correction.mode != "off":
             raise TrainingError(
-                f"step {step}: the '{self.engine.name}' rollout engine returned no logprobs for {missing} of {n_tokens} "
-                "completion tokens, so importance sampling would silently become REINFORCE; fix the engine, or set "
-                "grpo.old_logprobs: recompute (or grpo.require_old_logprobs: false to accept ratio 1 for them)")
-
+                f"step {step}: the '{self.engine.name}' rollout engine returned no logprobs for {missing} of "
+                f"{int(token_mask.sum())} completion tokens, and grpo.rollout_correction.mode: {correction.mode} "
+                "weights each token by pi_old / pi_engine: without them the step would silently train as if the engine "
+                "had sampled the trainer's policy; fix the engine (or the trajectory file), or set "
+                "grpo.rollout_correction.mode: off to train without the correction"
+            )
+        totals = BatchTotals.of(loss_mask)  # fixed before the micro-batch loop: the split cannot change the loss
         ids, attn = batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
         Tc = batch["completion_len"]
         micro = _micro_slices(len(completions), cfg.optim.gradient_accumulation_steps)
         temp = cfg.rollout.temperature
+        self.num_tokens += sum(len(c.prompt_ids) + len(c.token_ids) for c in completions)
 
-        # 6. reference and (optionally) recomputed old logprobs
+        # 6. reference logprobs
         ref_lp = None
         if g.beta > 0:
             with torch.no_grad(), self._reference():
-                ref_lp = torch.cat([self._logprobs(self._ref_forward_model(), ids[s], attn[s], Tc, temp)[0] for s in micro])
-        old_lp = engine_lp.to(self.device)
-        if g.old_logprobs == "recompute":
-            with torch.no_grad():
-                old_lp = torch.cat([self._logprobs(self.model, ids[s], attn[s], Tc, temp)[0] for s in micro])
+                ref_lp = torch.cat(
+                    [self._logprobs(self._ref_forward_model(), ids[s], attn[s], Tc, temp)[0] for s in micro]
+                )
         t_logprobs = time.perf_counter()
 
-        # 7. updates
-        loss_mask, adv_t = loss_mask.to(self.device), adv.advantages.to(self.device)
-        acc: dict[str, list[float]] = {}
-        trainer_lp = torch.zeros_like(engine_lp)
-        entropy = torch.zeros_like(engine_lp)
+        # 7. updates. pi_old is the trainer's: the first pass's own forward, detached (the optimizer steps only
+        #    after every micro-batch), kept for later passes; the rollout correction is computed from it.
+        adv_t = adv.advantages.to(self.device)
+        old_lp, entropy, weight = torch.zeros_like(engine_lp), torch.zeros_like(engine_lp), torch.ones_like(engine_lp)
+        per_update: list[dict[str, float]] = []
         for it in range(g.num_iterations):
+            loss_sum, terms = 0.0, []
             for s in micro:
                 lp, ent = self._logprobs(self.model, ids[s], attn[s], Tc, temp, with_entropy=(it == 0))
                 if it == 0:
-                    trainer_lp[s], entropy[s] = lp.detach().float().cpu(), ent.detach().float().cpu()
-                old = torch.where(torch.isfinite(old_lp[s]), old_lp[s], lp.detach())
-                loss, stats = grpo_loss(lp, old, adv_t[s], loss_mask[s], g,
-                                        ref_logprobs=None if ref_lp is None else ref_lp[s], max_completion_length=cfg.rollout.max_tokens)
-                (loss / len(micro)).backward()
-                stats["loss"] = float(loss.detach())
-                for k, v in stats.items():
-                    acc.setdefault(k, []).append(v)
+                    old_lp[s], entropy[s] = lp.detach().float(), ent.detach().float()
+                    weight[s] = rollout_correction(old_lp[s], engine_lp[s], loss_mask[s], correction).weight
+                loss, part = grpo_loss(
+                    lp,
+                    old_lp[s],
+                    adv_t[s],
+                    loss_mask[s],
+                    g,
+                    correction=weight[s],
+                    totals=totals,
+                    ref_logprobs=None if ref_lp is None else ref_lp[s],
+                    max_completion_length=cfg.rollout.max_tokens,
+                )
+                loss.backward()  # this micro-batch's exact share of the whole batch's loss
+                loss_sum += float(loss.detach())
+                terms.append(part)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.max_grad_norm)
             if not torch.isfinite(grad_norm):
-                raise TrainingError(f"step {step}: gradient norm is {float(grad_norm)}; lower optim.learning_rate or check rewards for extreme values")
-            acc.setdefault("grad_norm", []).append(float(grad_norm))
+                raise TrainingError(
+                    f"step {step}: gradient norm is {float(grad_norm)}; lower optim.learning_rate or check rewards "
+                    "for extreme values"
+                )
+            per_update.append(
+                {
+                    "loss": loss_sum,
+                    "grad_norm": float(grad_norm),
+                    **update_metrics(LossTerms.cat(terms), loss_mask, g.importance_sampling_level),
+                }
+            )
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         t_update = time.perf_counter()
 
-        # 8. metrics
-        m: dict[str, float] = {"step": step}
-        m["reward"] = _mean(total)
-        m["reward_std"] = float(adv.group_std.mean())
-        for name, values in parts.items():
-            m[f"rewards/{name}/mean"] = _mean(values)
-        m["frac_reward_zero_std"] = float(adv.frac_zero_std)
+        # 8. metrics (trainer/metrics.py says what each means)
         lengths = [len(c.token_ids) for c in completions]
-        terminated = [n for n, c in zip(lengths, completions) if c.finish_reason == "stop"]
-        m.update({"completions/mean_length": _mean(lengths), "completions/min_length": float(min(lengths)),
-                  "completions/max_length": float(max(lengths)),
-                  "completions/clipped_ratio": float(truncated.float().mean()),
-                  "completions/mean_terminated_length": _mean(terminated) if terminated else 0.0})
-        for k, v in acc.items():
-            m[k] = _mean(v)
-        if ref_lp is None:
-            m.update({"kl": 0.0, "kl/k1": 0.0, "kl/k2": 0.0, "kl/k3": 0.0})
-        m["entropy"] = float((entropy * token_mask).sum() / max(n_tokens, 1))
-        diff = (engine_lp - trainer_lp).abs()[valid]
-        m["rollout/logprob_diff_mean"] = float(diff.mean()) if diff.numel() else float("nan")
-        m["rollout/logprob_diff_max"] = float(diff.max()) if diff.numel() else float("nan")
-        m["is/frac_old_logprobs_valid"] = 1.0 if g.old_logprobs == "recompute" else frac_valid
+        endings = [c.finish_reason for c in completions]
+        append_rows(
+            self.out / SAMPLES_FILE,
+            sample_rows(step, prompts, answers, texts, endings, lengths, total, parts, cfg.rollout.log_samples),
+        )
+        m: dict[str, float] = {"step": step, "num_tokens": float(self.num_tokens)}
+        m.update(reward_metrics(total, parts, adv.frac_reward_zero_std, adv.frac_zero_std_groups))
+        m.update(self.rewards.step_metrics)  # judge/* and other reward objects' metrics
+        m.update(completion_metrics(lengths, [c.finish_reason for c in completions]))
+        m.update(mean_over_updates(per_update))
+        m.update(entropy_metric(entropy, loss_mask))
+        corr = rollout_correction(old_lp, engine_lp, loss_mask, correction)  # the whole batch's, as applied
+        m.update(sampling_metrics(old_lp, engine_lp, token_mask, loss_mask, corr, correction, staleness))
         m.update(batch_health(texts, [c.token_ids for c in completions]))
+        m.update(hacking_signals([c.token_ids for c in completions], total, g.num_generations))
         m["advantages/frac_masked"] = 1.0 - float(adv.loss_mask_seq.float().mean())
         m["learning_rate"] = self.scheduler.get_last_lr()[0]
         t_end = time.perf_counter()
-        m.update({"time/rollout": t_rollout - t0, "time/reward": t_reward - t_rollout, "time/logprobs": t_logprobs - t_reward,
-                  "time/update": t_update - t_logprobs, "step_time": t_end - t0, "tokens_per_second": sum(lengths) / (t_end - t0)})
+        m["time/generate"] = sampled.generate_s
+        m.update(
+            {
+                "time/rollout": t_rollout - t0,
+                "time/reward": t_reward - t_rollout,
+                "time/logprobs": t_logprobs - t_reward,
+                "time/update": t_update - t_logprobs,
+                "step_time": t_end - t0,
+                "tokens_per_second": sum(lengths) / (t_end - t0),
+            }
+        )
         if cfg.eval.every and step % cfg.eval.every == 0:
-            m.update(self.evaluate())
+            m.update(self.evaluate(step))
+        m.update(self.gate.observe(step, m))  # trends over steps and eval points
         return m
 
-    def evaluate(self) -> dict[str, float]:
-        return evaluate(self.model, self.tokenizer, self.eval_set, self.cfg.eval, self.rewards)
+    def evaluate(self, step: int = 0) -> dict[str, float]:
+        """The held-out metrics; eval.log_samples of the completions go to eval_samples.jsonl, marked with `step`."""
+        metrics, rows = evaluate_with_samples(
+            self.model, self.tokenizer, self.eval_set, self.cfg.eval, self.rewards, self.cfg.data, step
+        )
+        append_rows(self.out / EVAL_SAMPLES_FILE, rows)
+        return metrics
 
     # -------------------------------------------------------------------- the run
     def train(self, total_steps: int | None = None) -> RunResult:
@@ -290,7 +374,7 @@ class GRPOTrainer:
             for cb in self.callbacks:
                 cb.on_step(0, eval_start)
         bar = _progress(self.progress)
-        with bar:
+        with bar, SafePoint() as safe_point:
             task = bar.add_task("GRPO", total=total, completed=self.step, info="")
             for step in range(self.step + 1, total + 1):
                 m = self.train_step(step)
@@ -305,41 +389,90 @@ class GRPOTrainer:
                 stopped = self.gate.update(step, m)
                 for cb in self.callbacks:
                     stopped = stopped or cb.should_stop(step, m)
+                stopped = stopped or safe_point.stop_reason
                 if step % self.cfg.checkpoint.every == 0 or step == total or stopped:
                     last_ckpt = self.save()
-                bar.update(task, completed=step, info=f"reward {m['reward']:.3f}  kl {m['kl']:.4f}  len {m['completions/mean_length']:.1f}")
+                bar.update(
+                    task,
+                    completed=step,
+                    info=f"reward {m['reward']:.3f}  kl {m['kl']:.4f}  len {m['completions/mean_length']:.1f}",
+                )
                 if stopped:
                     break
-        return RunResult(self.step, stopped, last_ckpt or ckpt.latest_checkpoint(self.ckpt_root), history, eval_start)
+        return RunResult(
+            self.step,
+            stopped,
+            last_ckpt or _latest_path(self.ckpt_root),
+            history,
+            eval_start,
+            interrupted=safe_point.received,
+        )
 
     def save(self) -> Path:
-        trainer_state = {"step": self.step, "sampler": self.sampler.state_dict(), "health_gate": self.gate.state_dict(),
-                         "config": _resumable_view(self.cfg)}
+        in_flight = self.rollouts.state_dict()  # batches sampled ahead (max_off_policy_steps); the sampler is past them
+        trainer_state = {
+            "step": self.step,
+            "rollouts": in_flight,
+            "sampler": self.sampler.state_dict(),
+            "health_gate": self.gate.state_dict(),
+            "num_tokens": self.num_tokens,
+            "config": _resumable_view(self.cfg),
+        }
         fingerprint = logprob_fingerprint(self.model, self.tokenizer, self.device)
-        extra = {"base_model": model_identity(self.cfg.model), "code_ref": ckpt.code_ref(), "lineage": self.lineage,
-                 "config_hash": config_hash(self.cfg), "fingerprint": fingerprint,
-                 "data_fingerprint": data_fingerprint(self.train_set),
-                 "lora": self.cfg.lora.model_dump() if self.cfg.lora.enabled else None}
-        path = ckpt.save_checkpoint(self.ckpt_root, self.step, model=self.model, tokenizer=self.tokenizer,
-                                    optimizer=self.optimizer, scheduler=self.scheduler, trainer_state=trainer_state,
-                                    manifest_extra=extra, lagged=list(self.lagged), keep_last=self.cfg.checkpoint.keep_last)
-        manifest = json.loads((path / ckpt.MANIFEST).read_text())
+        extra = {
+            "base_model": model_identity(self.cfg.model),
+            "code_ref": ckpt.code_ref(),
+            "lineage": self.lineage,
+            "config_hash": config_hash(self.cfg),
+            "fingerprint": fingerprint,
+            "data_fingerprint": data_fingerprint(self.train_set),
+            "lora": self._lora_as_trained(),
+        }
+        checkpoint = ckpt.save_checkpoint(
+            self.ckpt_root,
+            self.step,
+            model=self.model,
+            tokenizer=self.tokenizer,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            trainer_state=trainer_state,
+            manifest_extra=extra,
+            lagged=list(self.lagged),
+            keep_last=self.cfg.checkpoint.keep_last,
+        )
         for cb in self.callbacks:
-            cb.on_checkpoint(self.step, path, manifest)
-        return path
+            cb.on_checkpoint(checkpoint)
+        return checkpoint.path
+
+    def _lora_as_trained(self) -> dict | None:
+        """The LoRA settings with the target modules peft actually wrapped ('all-linear' resolved to names)."""
+        if not self.cfg.lora.enabled:
+            return None
+        return {
+            **self.cfg.lora.model_dump(),
+            "target_modules": sorted(self.model.peft_config["default"].target_modules),
+        }
 
     def close(self) -> None:
+        self.rollouts.close()
         self.engine.close()
 
     # -------------------------------------------------------------------- helpers
     def _prompt(self, index: int) -> list[int]:
         if index not in self._prompt_cache:
-            self._prompt_cache[index] = render_prompt(self.tokenizer, self.train_set[index].prompt)
+            self._prompt_cache[index] = render_prompt(self.tokenizer, self.train_set[index].prompt, self.cfg.data)
         return self._prompt_cache[index]
 
     def _logprobs(self, model, ids, attn, completion_len, temperature, with_entropy=False):
-        lp, ent = completion_logprobs(model, ids, attn, completion_len, temperature=temperature,
-                                      chunk_size=self.cfg.grpo.logprob_chunk_size, with_entropy=with_entropy)
+        lp, ent = completion_logprobs(
+            model,
+            ids,
+            attn,
+            completion_len,
+            temperature=temperature,
+            chunk_size=self.cfg.grpo.logprob_chunk_size,
+            with_entropy=with_entropy,
+        )
         return lp, (ent if ent is not None else torch.zeros_like(lp))
 
     def _ref_forward_model(self):
@@ -365,7 +498,52 @@ class GRPOTrainer:
                 yield
 
 
+# ------------------------------------------------------------------------ SIGTERM / SIGINT: stop at a safe point
+
+
+class SafePoint:
+    """While the training loop runs, SIGTERM (spot preemption, Kubernetes, SkyPilot) and SIGINT (Ctrl-C) ask for a
+    stop at the next safe point: the step in progress finishes, the loop stops and saves a checkpoint there. A second
+    signal goes to the handler that was there before (Python's KeyboardInterrupt, Prefect's TerminationSignal, the
+    default's exit): stop at once. Only the main thread receives signals; elsewhere nothing is installed."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: str | None = None  # the name of the first signal, e.g. "SIGTERM"
+        self._previous: dict = {}
+
+    @property
+    def stop_reason(self) -> str | None:
+        return f"interrupted: {self.received}" if self.received else None
+
+    def __enter__(self) -> SafePoint:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+            os.write(
+                2,
+                f"\n{self.received}: finishing this step, then saving a checkpoint (again to stop at once)\n".encode(),
+            )
+            return
+        previous = self._previous.get(signum)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+
 # ------------------------------------------------------------------------ plain helpers
+
 
 def _pack(completions, pad_id: int) -> dict:
     Lp = max(len(c.prompt_ids) for c in completions)
@@ -377,15 +555,20 @@ def _pack(completions, pad_id: int) -> dict:
     engine_logprobs = torch.full((B, Tc), float("nan"))
     for i, c in enumerate(completions):
         p, t = c.prompt_ids, c.token_ids
-        input_ids[i, Lp - len(p):Lp] = torch.tensor(p)
-        attention_mask[i, Lp - len(p):Lp + len(t)] = 1
+        input_ids[i, Lp - len(p) : Lp] = torch.tensor(p)
+        attention_mask[i, Lp - len(p) : Lp + len(t)] = 1
         if t:
-            input_ids[i, Lp:Lp + len(t)] = torch.tensor(t)
-            completion_mask[i, :len(t)] = 1
+            input_ids[i, Lp : Lp + len(t)] = torch.tensor(t)
+            completion_mask[i, : len(t)] = 1
             if c.logprobs is not None:
-                engine_logprobs[i, :len(t)] = torch.tensor(c.logprobs, dtype=torch.float32)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "completion_mask": completion_mask,
-            "engine_logprobs": engine_logprobs, "completion_len": Tc}
+                engine_logprobs[i, : len(t)] = torch.tensor(c.logprobs, dtype=torch.float32)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "completion_mask": completion_mask,
+        "engine_logprobs": engine_logprobs,
+        "completion_len": Tc,
+    }
 
 
 def _micro_slices(n: int, parts: int) -> list[slice]:
@@ -394,6 +577,9 @@ def _micro_slices(n: int, parts: int) -> list[slice]:
 
 
 def _lr_lambda(schedule: str, warmup: int, total: int):
+    """transformers.get_scheduler's constant/linear/cosine shapes, but warm-up reaches 1/warmup at the first update:
+    transformers' warm-up starts at 0, so the first step's rollouts (minutes each on a CPU) would train nothing."""
+
     def f(i: int) -> float:
         if warmup and i < warmup:
             return (i + 1) / warmup
@@ -401,34 +587,8 @@ def _lr_lambda(schedule: str, warmup: int, total: int):
             return 1.0
         progress = min(1.0, (i - warmup) / max(1, total - warmup))
         return 1.0 - progress if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+
     return f
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def _mean(xs) -> float:
-    xs = list(xs)
-    return float(sum(xs) / len(xs)) if xs else 0.0
-
-
-def _load_weights(model, path: Path, manifest: dict) -> None:
-    from safetensors.torch import load_file
-    if manifest["weights"] == "adapter":
-        from peft import set_peft_model_state_dict
-        state = load_file(str(path / "adapter" / "adapter_model.safetensors"))
-        result = set_peft_model_state_dict(model, state)
-        if getattr(result, "unexpected_keys", None):
-            raise ckpt.CheckpointError(f"checkpoint {path}: adapter has unexpected weights {result.unexpected_keys[:3]}; "
-                                       "it was saved with a different LoRA configuration")
-    else:
-        state = {}
-        for f in sorted((path / "model").glob("*.safetensors")):
-            state.update(load_file(str(f)))
-        model.load_state_dict(state, strict=False)
 
 
 def _refuse_changed_config(saved: dict, now: dict, path: Path) -> None:
@@ -440,11 +600,29 @@ def _refuse_changed_config(saved: dict, now: dict, path: Path) -> None:
                     return d
             return None
         return None if a == b else (prefix.rstrip("."), a, b)
+
     diff = first_diff(saved, now)
     if saved and diff:
         key, was, is_now = diff
-        raise ckpt.CheckpointError(f"cannot resume from {path}: spec field {key} was {was!r} and is now {is_now!r}; "
-                                   "resume with the spec the run started with (only optim.steps may change), or fork a new run")
+        raise ckpt.CheckpointError(
+            f"cannot resume from {path}: spec field {key} was {was!r} and is now {is_now!r}; "
+            "resume with the spec the run started with (only optim.steps may change), or fork a new run"
+        )
+
+
+def check_resume(cfg: TrainerConfig, output_dir: str | Path) -> Path | None:
+    """The checkpoint a resume of `output_dir` starts from (None: there is none), verified and checked against
+    `cfg` before any model loads, so a refused resume (CheckpointError) is quick and leaves the run as it was."""
+    checkpoint = ckpt.latest_checkpoint(Path(output_dir) / "checkpoints")
+    if checkpoint is None:
+        return None
+    _refuse_changed_config(checkpoint.training_state().trainer.get("config", {}), _resumable_view(cfg), checkpoint.path)
+    return checkpoint.path
+
+
+def _latest_path(root: Path) -> Path | None:
+    checkpoint = ckpt.latest_checkpoint(root)
+    return checkpoint.path if checkpoint else None
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
@@ -455,6 +633,22 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
 
 
 def _progress(enabled: bool):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), TextColumn("{task.fields[info]}"), disable=not enabled, transient=False)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[info]}"),
+        disable=not enabled,
+        transient=False,
+    )

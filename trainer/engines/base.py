@@ -8,7 +8,7 @@ why each stopped ('stop': an end token or stop string; 'length': hit max_tokens)
 Which logprobs: those of the *policy at the sampling temperature* — log_softmax(logits / T) — before
 top-k/top-p/min-p truncation and repetition/frequency/presence penalties. That is the distribution the
 trainer computes, so engine and trainer logprobs of the same tokens must agree (the
-`rollout/logprob_diff_*` metrics check it every step, and catch stale or double-applied adapters), and
+`sampling/sampling_logp_difference/*` metrics check it every step, and catch stale or double-applied adapters), and
 the importance ratio compares like with like whatever sampling penalties a sweep turns on. The tokens
 themselves are drawn from the penalised, truncated distribution; like TRL, Ballast does not correct
 for that distortion in the ratio. (vLLM reports this distribution exactly only without penalties and
@@ -16,10 +16,12 @@ truncation; engines/vllm.py says how it handles the rest.)
 An engine that cannot give logprobs returns None for them; the trainer then fails or recomputes,
 it never silently treats the ratio as 1.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Protocol, Sequence
+from typing import Literal, Protocol
 
 
 @dataclass
@@ -38,35 +40,51 @@ class SamplingParams:
     min_tokens: int = 0
 
     @classmethod
-    def from_rollout(cls, rollout, n: int, seed: int) -> "SamplingParams":
-        return cls(n=n, max_tokens=rollout.max_tokens, temperature=rollout.temperature, top_p=rollout.top_p,
-                   top_k=rollout.top_k, min_p=rollout.min_p, repetition_penalty=rollout.repetition_penalty,
-                   frequency_penalty=rollout.frequency_penalty, presence_penalty=rollout.presence_penalty,
-                   stop=list(rollout.stop), seed=seed, min_tokens=rollout.min_tokens)
+    def from_rollout(cls, rollout, n: int, seed: int) -> SamplingParams:
+        return cls(
+            n=n,
+            max_tokens=rollout.max_tokens,
+            temperature=rollout.temperature,
+            top_p=rollout.top_p,
+            top_k=rollout.top_k,
+            min_p=rollout.min_p,
+            repetition_penalty=rollout.repetition_penalty,
+            frequency_penalty=rollout.frequency_penalty,
+            presence_penalty=rollout.presence_penalty,
+            stop=list(rollout.stop),
+            seed=seed,
+            min_tokens=rollout.min_tokens,
+        )
 
 
 @dataclass
 class Completion:
     prompt_ids: list[int]
     token_ids: list[int]
-    logprobs: Optional[list[float]]
+    logprobs: list[float] | None
     finish_reason: Literal["stop", "length"]
     text: str
 
     def __post_init__(self):
         if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
-            raise ValueError(f"completion has {len(self.token_ids)} tokens but {len(self.logprobs)} logprobs; "
-                             "the engine must return one logprob per sampled token")
+            raise ValueError(
+                f"completion has {len(self.token_ids)} tokens but {len(self.logprobs)} logprobs; "
+                "the engine must return one logprob per sampled token"
+            )
 
 
 class RolloutEngine(Protocol):
     name: str
+    # True: generate() may run on another thread while the trainer updates its weights (rollouts overlap training,
+    # trainer/rollouts.py); False (or absent): it samples the trainer's own model and runs in the trainer's thread
+    overlaps_training: bool
 
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """For each prompt, params.n completions (same order as prompts)."""
 
-    def sync_weights(self, model, step: int) -> None:
-        """Make the engine sample from the trainer's current weights (no-op for an in-process engine)."""
+    def sync_weights(self, model, step: int) -> object:
+        """Make the engine sample from the trainer's current weights (no-op for an in-process engine). An engine in
+        another process also proves it serves them, or raises (vLLM: returns what it proved, a ServedPolicy)."""
 
     def close(self) -> None:
         """Release the engine (stop a server process)."""

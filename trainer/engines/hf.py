@@ -1,42 +1,44 @@
 """Rollouts with a Hugging Face model in the trainer's own process (CPU or GPU).
 
-The engine samples from the very model object being trained, so there are no weights to push:
-`sync_weights` is a no-op. Each call is seeded from `params.seed`, which the loop derives from the
-run seed and the step number, so the rollouts of step k are the same in an uninterrupted run and in
-a resumed one (the global RNG is restored afterwards).
+The engine samples from the very model object being trained, so `sync_weights` is a no-op. Each call is
+seeded from `params.seed` (the loop derives it from the run seed and the step), so the rollouts of step k
+are the same in an uninterrupted run and a resumed one; the global RNG is restored afterwards.
 
-The sampling loop is Ballast's own, not `model.generate`, for memory: getting logprobs out of
-`generate` means `output_logits=True`, which keeps every step's logits — rows x new tokens x
-vocabulary in fp32, 20 GB for 64 completions of 512 tokens over a 152k vocabulary. The loop takes the
-sampled token's logprob at each step and keeps only that. It uses a static KV cache, written in place
-(generate's dynamic cache is concatenated at every token); on the CPU tiny model it takes the same time
-as `generate` (bench/trl_step_time.py).
-Sampling follows `generate`'s processors exactly — the same classes from transformers, in its order:
-repetition penalty, min_tokens (end tokens suppressed before it), temperature, top-k, top-p, min-p —
-then `torch.multinomial`. Stop strings need the text decoded as it grows, so a request with
-`stop` goes through `model.generate` (with `output_logits`) instead.
+The sampling loop is Ballast's own, not `model.generate`: logprobs out of `generate` need
+`output_logits=True`, which keeps every step's logits (20 GB for 64 x 512 tokens over a 152k vocabulary);
+the loop keeps only the sampled token's logprob. It writes a static KV cache in place, and on CUDA runs
+the one-token step compiled into CUDA graphs (`CompiledDecoder`, rollout.compile_decode). Sampling follows
+`generate`'s processors exactly — the same transformers classes in its order: repetition penalty,
+min_tokens, temperature, top-k, top-p, min-p — then `torch.multinomial`, so the same seed draws the same
+tokens. Stop strings need the text decoded as it grows: a request with `stop` goes through `generate`.
 
-Logprobs are those of the policy at the sampling temperature, log_softmax(logits / T), taken from the
-raw logits before penalties and truncation: the distribution the trainer also computes (see
-engines/base.py for why not the processed one). Completions keep their end-of-sequence token (the
+Logprobs are the policy's at the sampling temperature, log_softmax(logits / T), from the raw logits before
+penalties and truncation (engines/base.py says why). Completions keep their end-of-sequence token (the
 model must learn to stop); tokens after it are dropped.
 """
+
 from __future__ import annotations
 
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from .base import Completion, SamplingParams
 
+CACHE_LEN_BUCKET = 64  # compiled decode: cache lengths are rounded up to this, so runs reuse one graph
+STOP_CHECK_EVERY = 8  # compiled decode: tokens between checks that every row ended (each check syncs the GPU)
+
 
 class HFEngine:
     name = "hf"
 
-    def __init__(self, model, tokenizer, device: torch.device | str):
+    def __init__(self, model, tokenizer, device: torch.device | str, compile_decode: str = "never"):
+        """compile_decode: 'auto' (on CUDA), 'always' or 'never' — rollout.compile_decode."""
         self.model, self.tokenizer, self.device = model, tokenizer, torch.device(device)
         self.static_cache = True  # False once a model turned out not to support it
+        compiled = compile_decode == "always" or (compile_decode == "auto" and self.device.type == "cuda")
+        self.decoder = CompiledDecoder() if compiled else None
 
     def sync_weights(self, model, step: int) -> None:
         self.model = model
@@ -47,8 +49,10 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[list[Completion]]:
         if params.frequency_penalty or params.presence_penalty:
-            raise ValueError("rollout.frequency_penalty / presence_penalty are vLLM sampling options; the hf engine "
-                             "supports repetition_penalty — set rollout.engine: vllm or use repetition_penalty")
+            raise ValueError(
+                "rollout.frequency_penalty / presence_penalty are vLLM sampling options; the hf engine "
+                "supports repetition_penalty — set rollout.engine: vllm or use repetition_penalty"
+            )
         tok = self.tokenizer
         pad_id = tok.pad_token_id
         eos_ids = _eos_ids(self.model, tok)
@@ -57,8 +61,8 @@ class HFEngine:
         input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
         attention_mask = torch.zeros_like(input_ids)
         for i, p in enumerate(rows):
-            input_ids[i, width - len(p):] = torch.tensor(p)
-            attention_mask[i, width - len(p):] = 1
+            input_ids[i, width - len(p) :] = torch.tensor(p)
+            attention_mask[i, width - len(p) :] = 1
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
 
         was_training = self.model.training
@@ -68,16 +72,26 @@ class HFEngine:
             with torch.random.fork_rng(devices=devices):
                 torch.manual_seed(params.seed)
                 if params.stop or not self.static_cache:
-                    new_tokens, logprobs = _sample_with_generate(self.model, tok, input_ids, attention_mask, params, eos_ids)
+                    new_tokens, logprobs = _sample_with_generate(
+                        self.model, tok, input_ids, attention_mask, params, eos_ids
+                    )
                 else:
                     try:
-                        new_tokens, logprobs = sample(self.model, input_ids, attention_mask, params, eos_ids, pad_id)
+                        extra = {"decoder": self.decoder} if self.decoder is not None else {}
+                        new_tokens, logprobs = sample(
+                            self.model, input_ids, attention_mask, params, eos_ids, pad_id, **extra
+                        )
                     except TypeError as e:  # a custom (trust_remote_code) model without cache_position / logits_to_keep
-                        warnings.warn(f"{type(self.model).__name__} cannot sample with a static KV cache ({e}); "
-                                      "the hf engine uses model.generate for it (slower, keeps every step's logits)")
+                        warnings.warn(
+                            f"{type(self.model).__name__} cannot sample with a static KV cache ({e}); "
+                            "the hf engine uses model.generate for it (slower, keeps every step's logits)",
+                            stacklevel=2,
+                        )
                         self.static_cache = False
                         torch.manual_seed(params.seed)
-                        new_tokens, logprobs = _sample_with_generate(self.model, tok, input_ids, attention_mask, params, eos_ids)
+                        new_tokens, logprobs = _sample_with_generate(
+                            self.model, tok, input_ids, attention_mask, params, eos_ids
+                        )
         finally:
             self.model.train(was_training)
 
@@ -94,7 +108,13 @@ class HFEngine:
             text = tok.decode(ids, skip_special_tokens=True)
             if finish == "length" and params.stop and any(s in text for s in params.stop):
                 finish = "stop"
-            c = Completion(prompt_ids=list(p), token_ids=ids, logprobs=logprobs[i, : len(ids)].tolist(), finish_reason=finish, text=text)
+            c = Completion(
+                prompt_ids=list(p),
+                token_ids=ids,
+                logprobs=logprobs[i, : len(ids)].tolist(),
+                finish_reason=finish,
+                text=text,
+            )
             if i % params.n == 0:
                 results.append([])
             results[-1].append(c)
@@ -103,9 +123,15 @@ class HFEngine:
 
 def _processors(params: SamplingParams, eos_ids: list[int]):
     """generate's logits processors for these settings, in generate's order (min_tokens is applied apart)."""
-    from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper,
-                                                        RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
-                                                        TopKLogitsWarper, TopPLogitsWarper)
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
     before = LogitsProcessorList()
     if params.repetition_penalty != 1.0:
         before.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
@@ -121,11 +147,55 @@ def _processors(params: SamplingParams, eos_ids: list[int]):
     return before, after
 
 
+class CompiledDecoder:
+    """The one-token decode step, compiled once per model (torch.compile mode "reduce-overhead": CUDA graphs on
+    a GPU, inductor kernels on CPU), and the static KV cache it runs over, kept between calls and reset in place
+    (graphs replay on fixed addresses, so the cache must not move). The cache length is rounded up to a multiple
+    of CACHE_LEN_BUCKET, so a run whose prompt widths vary still replays one graph; prefill stays eager (its shape
+    changes with the prompts). In fp32 it draws the same tokens as the eager loop (tests/test_hf_engine.py on
+    CPU, bench/gpu_step.py on a GPU); ending is checked every STOP_CHECK_EVERY tokens, not every token, since a
+    check waits for the GPU."""
+
+    def __init__(self):
+        self.step_fns: dict[int, object] = {}
+        self.caches: dict[tuple, object] = {}
+
+    def cache_len(self, needed: int) -> int:
+        return -(-needed // CACHE_LEN_BUCKET) * CACHE_LEN_BUCKET
+
+    def cache(self, model, rows: int, length: int, device: torch.device):
+        from transformers import StaticCache
+
+        key = (id(model), rows, length, str(device))
+        cache = self.caches.get(key)
+        if cache is None:  # kept, not replaced: a graph recorded over a cache must find it at the same address
+            cache = self.caches[key] = StaticCache(config=model.config, max_cache_len=length)
+        else:
+            cache.reset()
+        return cache
+
+    def step(self, model):
+        fn = self.step_fns.get(id(model))
+        if fn is None:
+            self.step_fns.clear()
+            fn = self.step_fns[id(model)] = torch.compile(model.__call__, mode="reduce-overhead", dynamic=False)
+        return fn
+
+
 @torch.inference_mode()
-def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams, eos_ids: list[int],
-           pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    params: SamplingParams,
+    eos_ids: list[int],
+    pad_id: int,
+    decoder: CompiledDecoder | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(new tokens [R, <=N], their logprobs under log_softmax(logits / T) [R, <=N]) for left-padded prompts, with a
-    static KV cache. Rows that have ended get pad tokens; the loop stops when every row has ended."""
+    static KV cache. Rows that have ended get pad tokens; the loop stops when every row has ended (checked every
+    token, or every STOP_CHECK_EVERY tokens with a compiled decoder). With `decoder`, the one-token steps run
+    compiled over a cache that outlives the call."""
     from transformers import StaticCache
 
     rows, width = input_ids.shape
@@ -133,18 +203,33 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, params:
     n_new = params.max_tokens
     before, after = _processors(params, eos_ids)
     eos = torch.tensor(eos_ids, device=device)
-    mask = torch.zeros(rows, width + n_new, dtype=attention_mask.dtype, device=device)
+    if decoder is None:
+        cache_len, step_fn, check_every = width + n_new, model, 1
+        cache = StaticCache(config=model.config, max_cache_len=cache_len)
+    else:
+        cache_len, step_fn, check_every = decoder.cache_len(width + n_new), decoder.step(model), STOP_CHECK_EVERY
+        cache = decoder.cache(model, rows, cache_len, device)
+    mask = torch.zeros(rows, cache_len, dtype=attention_mask.dtype, device=device)
     mask[:, :width] = attention_mask
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    cache = StaticCache(config=model.config, max_cache_len=width + n_new)
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
-                cache_position=torch.arange(width, device=device), logits_to_keep=1)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        cache_position=torch.arange(width, device=device),
+        logits_to_keep=1,
+    )
     position = positions[:, -1:]
+    cache_positions = torch.arange(width, width + n_new, device=device)  # made once: no host-to-device copy per token
     sequence = input_ids  # grown only when the repetition penalty needs to see it
     running = torch.ones(rows, dtype=torch.bool, device=device)
     tokens, logprobs = [], []
     for t in range(n_new):
-        logits = out.logits[:, -1].float()
+        logits = out.logits[:, -1].to(
+            dtype=torch.float32, copy=True
+        )  # a graph's output is overwritten by its next replay
         policy = torch.log_softmax(logits / params.temperature, dim=-1)
         scores = before(sequence, logits) if before else logits
         if t < params.min_tokens:
@@ -155,27 +240,46 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, params:
         tokens.append(chosen)
         logprobs.append(policy.gather(-1, chosen[:, None]).squeeze(1))
         running &= ~torch.isin(chosen, eos)
-        if not running.any() or t == n_new - 1:
+        if t == n_new - 1 or ((t + 1) % check_every == 0 and not running.any()):
             break
         if before:
             sequence = torch.cat([sequence, chosen[:, None]], dim=1)
         mask[:, width + t] = 1
         position = position + 1
-        out = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=position, past_key_values=cache,
-                    use_cache=True, cache_position=torch.tensor([width + t], device=device))
+        if decoder is not None:
+            torch.compiler.cudagraph_mark_step_begin()
+        out = step_fn(
+            input_ids=chosen[:, None],
+            attention_mask=mask,
+            position_ids=position,
+            past_key_values=cache,
+            use_cache=True,
+            cache_position=cache_positions[t : t + 1],
+        )
     return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
 
 
 def _sample_with_generate(model, tok, input_ids, attention_mask, params: SamplingParams, eos_ids: list[int]):
     """model.generate with output_logits: for stop strings, which need the text decoded as it grows."""
-    kwargs = dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None,
-                  max_new_tokens=params.max_tokens, min_new_tokens=params.min_tokens or None,
-                  repetition_penalty=params.repetition_penalty, pad_token_id=tok.pad_token_id, eos_token_id=eos_ids,
-                  output_logits=True, return_dict_in_generate=True, stop_strings=params.stop or None, tokenizer=tok)
+    kwargs = dict(
+        do_sample=True,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k or None,
+        max_new_tokens=params.max_tokens,
+        min_new_tokens=params.min_tokens or None,
+        repetition_penalty=params.repetition_penalty,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=eos_ids,
+        output_logits=True,
+        return_dict_in_generate=True,
+        stop_strings=params.stop or None,
+        tokenizer=tok,
+    )
     if params.min_p:
         kwargs["min_p"] = params.min_p
     out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-    new_tokens = out.sequences[:, input_ids.shape[1]:]
+    new_tokens = out.sequences[:, input_ids.shape[1] :]
     logits = torch.stack(out.logits, dim=1).float() / params.temperature  # [rows, new, V]
     return new_tokens, torch.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
 

@@ -1,0 +1,79 @@
+"""The HF engine's compiled decode step (rollout.compile_decode), on CPU: torch.compile's inductor builds the
+same one-token step there (without CUDA graphs), so what this file shows — same tokens as the eager loop, one
+compile reused across calls with other prompt widths, compiled only where asked — is the CPU half of what
+bench/gpu_step.py checks on a GPU. Each compile takes ~40 s on 2 cores, so the module compiles once.
+"""
+
+import pytest
+import torch
+
+from trainer.config import LoraConfig, ModelConfig, TrainerConfig
+from trainer.data import arith_examples, render_prompt
+from trainer.engines.base import SamplingParams
+from trainer.engines.hf import CACHE_LEN_BUCKET, HFEngine
+from trainer.model import load_policy
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model):
+    """The tiny model with a LoRA adapter whose weights differ from zero, as after some training."""
+    model, tokenizer = load_policy(ModelConfig(name_or_path=str(tiny_model), device="cpu"), LoraConfig(r=4, alpha=8))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.02)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def compiled(policy):
+    """A compiled engine and the number of graphs dynamo compiled for it over two calls whose prompts have
+    different widths within one cache-length bucket (the second call's prompts end with " ok")."""
+    import torch._dynamo
+
+    model, tokenizer = policy
+    torch._dynamo.reset()
+    engine = HFEngine(model, tokenizer, "cpu", compile_decode="always")
+    calls = []
+    for n, seed, suffix in ((4, 3, ""), (4, 4, " ok")):  # same rows, as every step of a run
+        prompts = [render_prompt(tokenizer, e.prompt + suffix) for e in arith_examples(n, seed=seed)]
+        params = SamplingParams(n=4, max_tokens=40, seed=seed)
+        calls.append((prompts, params, engine.generate(prompts, params)))
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return engine, calls, frames
+
+
+def test_compiled_decode_draws_the_same_tokens_as_the_eager_loop(policy, compiled):
+    model, tokenizer = policy
+    eager = HFEngine(model, tokenizer, "cpu", compile_decode="never")
+    _, calls, _ = compiled
+    for prompts, params, groups in calls:
+        ours = [c for g in groups for c in g]
+        theirs = [c for g in eager.generate(prompts, params) for c in g]
+        assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
+        assert [c.finish_reason for c in ours] == [c.finish_reason for c in theirs]
+        assert max(abs(x - y) for a, b in zip(ours, theirs) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+
+
+def test_one_compiled_graph_serves_calls_with_other_prompt_widths(compiled):
+    engine, calls, frames = compiled
+    widths = {max(map(len, prompts)) for prompts, _, _ in calls}
+    assert len(widths) == 2  # the two calls really had different prompt widths
+    assert frames == 1  # and compiled once: the cache length is bucketed
+    (cache_len,) = {key[2] for key in engine.decoder.caches}
+    assert cache_len % CACHE_LEN_BUCKET == 0 and cache_len >= max(widths) + 40
+
+
+def test_compile_decode_auto_compiles_on_cuda_only(policy):
+    model, tokenizer = policy
+    assert HFEngine(model, tokenizer, "cpu", compile_decode="auto").decoder is None
+    assert HFEngine(model, tokenizer, "cpu", compile_decode="always").decoder is not None
+    assert HFEngine(model, tokenizer, "cuda", compile_decode="auto").decoder is not None  # built lazily: no GPU needed
+
+
+def test_the_trainer_passes_rollout_compile_decode_to_its_engine(tiny_model, tmp_path):
+    from tests.conftest import tiny_spec
+    from trainer.loop import GRPOTrainer
+
+    cfg = TrainerConfig.model_validate(tiny_spec(tiny_model, rollout={"compile_decode": "always"}))
+    assert GRPOTrainer(cfg, tmp_path, progress=False).engine.decoder is not None
