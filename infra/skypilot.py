@@ -26,6 +26,7 @@ This module builds and launches; it imports SkyPilot lazily (the `cloud` extra) 
 of Prefect or MLflow. Launching needs SkyPilot configured for a cloud or Kubernetes (`sky check`);
 `--dryrun` needs neither: it validates the task against SkyPilot's own schema and stops.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,11 +47,12 @@ class LaunchError(ValueError):
 @dataclass
 class LaunchPlan:
     """Everything `launch` hands to SkyPilot, in plain values (what --dryrun prints)."""
+
     name: str
     workdir: str
     setup: str
     run: str
-    spec_yaml: str                            # the resolved spec the node runs
+    spec_yaml: str  # the resolved spec the node runs
     resources: dict[str, Any]
     num_nodes: int = 1
     secret_names: list[str] = field(default_factory=list)
@@ -62,8 +64,12 @@ class LaunchPlan:
         in-process launch); otherwise names with no value, which `sky launch --secret NAME` fills."""
         secrets = {name: (os.environ[name] if with_secret_values else None) for name in self.secret_names}
         config: dict[str, Any] = {
-            "name": self.name, "workdir": self.workdir, "num_nodes": self.num_nodes,
-            "resources": self.resources, "setup": self.setup, "run": self.run,
+            "name": self.name,
+            "workdir": self.workdir,
+            "num_nodes": self.num_nodes,
+            "resources": self.resources,
+            "setup": self.setup,
+            "run": self.run,
             "file_mounts": {f"{REMOTE_SPEC_DIR}/{self.name}.yaml": str(Path(spec_file).absolute())},
         }
         if self.envs:
@@ -85,24 +91,37 @@ def plan_launch(spec, repo_root: Path, *, dump_spec, cluster: str | None = None)
     that infra/ does not import tasks/."""
     infra = spec.infra
     if infra.accelerators and not ACCELERATORS_RE.match(infra.accelerators):
-        raise LaunchError(f"infra.accelerators={infra.accelerators!r} is not NAME or NAME:COUNT (e.g. 'H200:2', 'A100-80GB:8')")
+        raise LaunchError(
+            f"infra.accelerators={infra.accelerators!r} is not NAME or NAME:COUNT (e.g. 'H200:2', 'A100-80GB:8')"
+        )
     missing = [name for name in infra.env if name not in os.environ]
     if missing:
-        raise LaunchError(f"infra.env names {missing[0]!r}, which is not set in this environment; export it before "
-                          "launching (its value is read at launch and passed to the node as a SkyPilot secret)")
+        raise LaunchError(
+            f"infra.env names {missing[0]!r}, which is not set in this environment; export it before "
+            "launching (its value is read at launch and passed to the node as a SkyPilot secret)"
+        )
     notes: list[str] = []
     spec = spec.model_copy(deep=True)
     gpus = accelerator_count(infra.accelerators)
-    if spec.rollout.engine == "vllm" and gpus >= 2 and spec.rollout.device is None and spec.model.device in ("auto", "cuda"):
+    if (
+        spec.rollout.engine == "vllm"
+        and gpus >= 2
+        and spec.rollout.device is None
+        and spec.model.device in ("auto", "cuda")
+    ):
         spec.model.device, spec.rollout.device = "cuda:0", "cuda:1"
         notes.append("two GPUs and rollout.engine: vllm: trainer on cuda:0, vLLM server on cuda:1")
     elif spec.rollout.engine == "vllm" and gpus < 2 and infra.accelerators:
         notes.append(f"{infra.accelerators}: the vLLM server shares the trainer's GPU (capped at 30 % of its memory)")
     if spec.model.device == "cpu" and gpus:
-        notes.append(f"model.device is 'cpu' but the node has {infra.accelerators}; set model.device: auto to train on the GPU")
+        notes.append(
+            f"model.device is 'cpu' but the node has {infra.accelerators}; set model.device: auto to train on the GPU"
+        )
     if not spec.tracking.uri:
-        notes.append("tracking.uri is unset: MLflow lives in the node's .ballast/mlflow.db and is lost when the node goes; "
-                     "set tracking.uri to a team MLflow server or postgresql://… to keep the lineage")
+        notes.append(
+            "tracking.uri is unset: MLflow lives in the node's .ballast/mlflow.db and is lost when the node goes; "
+            "set tracking.uri to a team MLflow server or postgresql://… to keep the lineage"
+        )
     if not spec.storage.uri or not str(spec.storage.uri).startswith("s3://"):
         notes.append("storage.uri is not s3://…: checkpoints stay on the node's disk and are lost when it goes")
 
@@ -120,10 +139,18 @@ def plan_launch(spec, repo_root: Path, *, dump_spec, cluster: str | None = None)
             resources["infra" if key == "cloud" else key] = str(value)
     if infra.use_spot:
         resources["use_spot"] = True
-    plan = LaunchPlan(name=name, workdir=str(Path(repo_root).absolute()),
-                      setup="\n".join(setup), run=run, spec_yaml=dump_spec(spec), resources=resources,
-                      num_nodes=infra.num_nodes, secret_names=list(infra.env),
-                      envs={"PYTHONUNBUFFERED": "1"}, notes=notes)
+    plan = LaunchPlan(
+        name=name,
+        workdir=str(Path(repo_root).absolute()),
+        setup="\n".join(setup),
+        run=run,
+        spec_yaml=dump_spec(spec),
+        resources=resources,
+        num_nodes=infra.num_nodes,
+        secret_names=list(infra.env),
+        envs={"PYTHONUNBUFFERED": "1"},
+        notes=notes,
+    )
     return plan, spec
 
 
@@ -163,7 +190,9 @@ def sky_launch_command(plan: LaunchPlan, task_yaml: Path, down: bool) -> str:
     return shlex.join(parts)
 
 
-def launch(plan: LaunchPlan, spec_file: Path, *, down: bool = False, idle_minutes_to_autostop: int | None = None) -> int:
+def launch(
+    plan: LaunchPlan, spec_file: Path, *, down: bool = False, idle_minutes_to_autostop: int | None = None
+) -> int:
     """Provision (or reuse) the cluster, run the pipeline on it and stream its log. Returns the job's id."""
     import sky
 

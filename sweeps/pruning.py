@@ -11,14 +11,16 @@ Two ways a trial stops early, both recorded on the trial (`user_attrs`: `prune_r
   reason — a collapsed configuration gets no more steps, whatever the pruner thinks. It applies to
   two-objective studies too, where Optuna has no pruner.
 
-`verdict()` turns a pipeline summary into the objective value(s) or raises `optuna.TrialPruned`.
+`verdict()` turns a pipeline result into the objective value(s) or raises `optuna.TrialPruned`.
 """
+
 from __future__ import annotations
 
 import math
 
 import optuna
 
+from tasks.summary import PipelineResult
 from trainer.loop import Callbacks
 
 from .space import SweepSpec, objective_value
@@ -50,21 +52,23 @@ class TrialPruning(Callbacks):
     def should_stop(self, step: int, metrics: dict[str, float]) -> str | None:
         if not self.use_pruner or self.last_value is None or not self.trial.should_prune():
             return None
-        return (f"pruned: {self.metric}={self.last_value:.4g} at step {step} is worse than the pruner's threshold "
-                f"({type(self.trial.study.pruner).__name__} over the trials so far)")
+        return (
+            f"pruned: {self.metric}={self.last_value:.4g} at step {step} is worse than the pruner's threshold "
+            f"({type(self.trial.study.pruner).__name__} over the trials so far)"
+        )
 
 
-def verdict(trial: optuna.Trial, summary: dict, sweep: SweepSpec, health) -> float | list[float]:
-    """The trial's objective value(s) from its pipeline summary, or `optuna.TrialPruned` when the run was
+def verdict(trial: optuna.Trial, result: PipelineResult, sweep: SweepSpec, health) -> float | list[float]:
+    """The trial's objective value(s) from its pipeline result, or `optuna.TrialPruned` when the run was
     stopped by the health gate (with collapse pruning on) or by the pruner."""
-    stopped = summary.get("stopped") or ""
-    trial.set_user_attr("last_step", int(summary.get("last_step") or 0))
-    trial.set_user_attr("run_status", summary.get("status"))
+    stopped = result.stopped or ""
+    trial.set_user_attr("last_step", int(result.last_step or 0))
+    trial.set_user_attr("run_status", result.status)
     if stopped.startswith(COLLAPSED) and sweep.prune_collapsed:
         _prune(trial, stopped, "health_gate")
     if stopped.startswith(PRUNED):
         _prune(trial, stopped, "pruner")
-    values = [objective_value(o, summary, health) for o in sweep.objectives]
+    values = [objective_value(o, result, health) for o in sweep.objectives]
     for o, v in zip(sweep.objectives, values):
         trial.set_user_attr(f"objective/{o.key}", v)
     return values[0] if len(values) == 1 else values

@@ -29,7 +29,7 @@ The choices, on purpose:
 - Objective metrics come from the pipeline's summary. `eval/<name>` is the final held-out eval;
   a step metric (`kl`, `health/ngram_repetition`, ...) is reduced over the run's steps (`reduce`:
   last | mean | max | min); `stability` is the run's worst closeness to collapse: the largest
-  value / threshold, over every step and every signal the health gate watches, with the trial's own
+  value / threshold, over every step and every level signal the health gate watches, with the trial's own
   thresholds (0 = nothing moved, 1 = a signal reached its threshold; lower is steadier).
 - The pruner sees one intermediate value per step: the objective's `report` metric (a step
   metric), by default `reward` for an eval objective — the training signal eval/reward is a
@@ -39,17 +39,25 @@ The choices, on purpose:
   runs to its last step and is judged by its objective alone (bench/collapse_pruning.py's
   baseline arm).
 """
+
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tasks.spec import ExperimentSpec, SpecError, set_path, validate_spec
+from tasks.spec import (
+    ExperimentSpec,
+    SpecError,
+    describe_validation_error,
+    read_yaml_mapping,
+    set_path,
+    uri_has_password,
+    validate_spec,
+)
 from trainer.config import HealthConfig
 from trainer.health import GATE_SIGNALS
 from trainer.metrics import METRICS
@@ -59,20 +67,28 @@ class SweepError(SpecError):
     """A sweep file that cannot be run; the message names the field and the fix."""
 
 
+STORAGE_PASSWORD = (
+    "the Optuna storage URL holds a password (user:***@host), which would be logged and shown in "
+    "process lists; give it through PGPASSWORD or ~/.pgpass and the URL without it"
+)
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ParamSpec(_Strict):
     """One dimension of the search space."""
+
     type: Literal["float", "int", "categorical"]
-    low: Optional[float] = Field(None, description="float/int: smallest value.")
-    high: Optional[float] = Field(None, description="float/int: largest value (inclusive).")
+    low: float | None = Field(None, description="float/int: smallest value.")
+    high: float | None = Field(None, description="float/int: largest value (inclusive).")
     log: bool = Field(False, description="float/int: sample on a log scale (low > 0).")
-    step: Optional[float] = Field(None, gt=0, description="float/int: discretisation step (not with log).")
-    choices: Optional[list[Union[bool, int, float, str, None]]] = Field(None, description="categorical: the values.")
-    grid: Optional[list[Union[bool, int, float, str, None]]] = Field(
-        None, description="float/int: the values the grid sampler tries (categorical uses its choices, int its range).")
+    step: float | None = Field(None, gt=0, description="float/int: discretisation step (not with log).")
+    choices: list[bool | int | float | str | None] | None = Field(None, description="categorical: the values.")
+    grid: list[bool | int | float | str | None] | None = Field(
+        None, description="float/int: the values the grid sampler tries (categorical uses its choices, int its range)."
+    )
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -125,15 +141,22 @@ STEP_REDUCTIONS = ("last", "mean", "max", "min")
 class ObjectiveSpec(_Strict):
     metric: str = Field("eval/reward", description="eval/<name> (final eval), 'stability', or a step metric.")
     direction: Literal["maximize", "minimize"] = "maximize"
-    reduce: Literal["last", "mean", "max", "min"] = Field("last", description="How a step metric is reduced over the run's steps.")
-    report: Optional[str] = Field(None, description="Step metric reported to the pruner each step; default 'reward' for "
-                                                    "an eval objective, the metric itself for a step metric.")
+    reduce: Literal["last", "mean", "max", "min"] = Field(
+        "last", description="How a step metric is reduced over the run's steps."
+    )
+    report: str | None = Field(
+        None,
+        description="Step metric reported to the pruner each step; default 'reward' "
+        "for an eval objective, the metric itself for a step metric.",
+    )
 
     @model_validator(mode="after")
     def _known_metric(self):
         if not (self.metric == "stability" or is_step_metric(self.metric)):
-            raise ValueError(f"unknown metric {self.metric!r}; use eval/reward, eval/accuracy, eval/mean_length, stability, "
-                             "or a step metric (ballast metrics lists them)")
+            raise ValueError(
+                f"unknown metric {self.metric!r}; use eval/reward, eval/accuracy, eval/mean_length, "
+                "stability, or a step metric (ballast metrics lists them)"
+            )
         if self.report is not None and not is_step_metric(self.report):
             raise ValueError(f"report: {self.report!r} is not a step metric (ballast metrics lists them)")
         return self
@@ -149,7 +172,9 @@ class ObjectiveSpec(_Strict):
     @property
     def key(self) -> str:
         """The objective's name in summaries and MLflow (eval/reward, max/kl, stability)."""
-        return self.metric if self.metric == "stability" or self.metric.startswith("eval/") else f"{self.reduce}/{self.metric}"
+        if self.metric == "stability" or self.metric.startswith("eval/"):
+            return self.metric
+        return f"{self.reduce}/{self.metric}"
 
 
 class SamplerSpec(_Strict):
@@ -169,25 +194,39 @@ class PrunerSpec(_Strict):
 class HeartbeatSpec(_Strict):
     """How a trial whose worker died is noticed: the worker writes a heartbeat every `interval` s; a
     RUNNING trial silent for `grace_period` s is failed (not counted) and its configuration retried."""
+
     interval: int = Field(10, ge=1)
     grace_period: int = Field(40, ge=2)
     retries: int = Field(1, ge=0, description="Times an interrupted configuration is re-queued.")
 
 
 class SweepSpec(_Strict):
-    study: Optional[str] = Field(None, description="Optuna study name; default the sweep file's stem.")
-    base: Union[str, dict] = Field(description="Experiment spec: a YAML path (relative to the sweep file) or an inline mapping.")
-    overrides: dict[str, Any] = Field(default_factory=dict, description="Dotted spec field -> value, applied to every trial.")
+    study: str | None = Field(None, description="Optuna study name; default the sweep file's stem.")
+    base: str | dict = Field(
+        description="Experiment spec: a YAML path (relative to the sweep file) or an inline mapping."
+    )
+    overrides: dict[str, Any] = Field(
+        default_factory=dict, description="Dotted spec field -> value, applied to every trial."
+    )
     space: dict[str, ParamSpec] = Field(description="Dotted spec field -> distribution.")
     objectives: list[ObjectiveSpec] = Field(default_factory=lambda: [ObjectiveSpec()], min_length=1, max_length=2)
     sampler: SamplerSpec = Field(default_factory=SamplerSpec)
-    pruner: Optional[PrunerSpec] = Field(None, description="Default: median for one objective, none for two.")
+    pruner: PrunerSpec | None = Field(None, description="Default: median for one objective, none for two.")
     prune_collapsed: bool = Field(True, description="Prune a trial as soon as its health gate trips.")
-    trials: Optional[int] = Field(None, ge=1, description="COMPLETE + PRUNED trials to end with; default the grid's size, or 10.")
-    storage: Optional[str] = Field(None, description="Optuna storage URL; default sqlite:///<project_dir>/optuna.db.")
+    trials: int | None = Field(
+        None, ge=1, description="COMPLETE + PRUNED trials to end with; default the grid's size, or 10."
+    )
+    storage: str | None = Field(None, description="Optuna storage URL; default sqlite:///<project_dir>/optuna.db.")
     seed: int = 0
     heartbeat: HeartbeatSpec = Field(default_factory=HeartbeatSpec)
     max_consecutive_failures: int = Field(3, ge=1, description="A worker stops after this many failed trials in a row.")
+
+    @field_validator("storage")
+    @classmethod
+    def _no_password(cls, url: str | None) -> str | None:
+        if url and uri_has_password(url):
+            raise ValueError(STORAGE_PASSWORD)
+        return url
 
     @model_validator(mode="after")
     def _default_pruner(self):
@@ -219,45 +258,31 @@ class SweepSpec(_Strict):
 
 # ------------------------------------------------------------------------------------------ loading
 
+
 def load_sweep(source: str | Path | dict) -> SweepSpec:
     """Read and check a sweep file; the base spec is resolved and inlined (`sweep.base` is a dict after)."""
     if isinstance(source, dict):
         data, where, here, stem = json.loads(json.dumps(source)), "sweep", Path.cwd(), None
     else:
         path = Path(source)
-        if not path.is_file():
-            raise SweepError(f"sweep file {path} does not exist; pass the path of a sweep YAML (see examples/sweep.yaml)")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise SweepError(f"sweep file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
-        if not isinstance(data, dict):
-            raise SweepError(f"sweep file {path} must hold a mapping (base:, space:, objectives:, ...)")
+        data = read_yaml_mapping(
+            path,
+            "sweep file",
+            "a sweep YAML (see examples/sweep.yaml)",
+            "a mapping (base:, space:, objectives:, ...)",
+            error=SweepError,
+        )
         where, here, stem = str(path), path.resolve().parent, path.stem
     try:
         sweep = SweepSpec.model_validate(data)
     except ValidationError as e:
-        raise SweepError(f"{where}: {_describe(e)}") from None
+        hint = "see the sweep file reference in sweeps/space.py"
+        raise SweepError(f"{where}: {describe_validation_error(e, hint)}") from None
     if sweep.study is None and stem:
         sweep.study = stem
     sweep.base = _base_mapping(sweep.base, here, where)
     check_space(sweep, where)
     return sweep
-
-
-def _describe(e: ValidationError) -> str:
-    err = e.errors()[0]
-    field = ".".join(str(p) for p in err["loc"]) or "(top level)"
-    if err["type"] == "extra_forbidden":
-        msg = f"unknown field '{field}'; see the sweep file reference in sweeps/space.py"
-    elif err["type"] == "missing":
-        msg = f"field '{field}' is required"
-    else:
-        msg = f"field '{field}': {err['msg'].removeprefix('Value error, ')}"
-        if err.get("input") is not None and not isinstance(err.get("input"), dict):
-            msg += f" (got {err['input']!r})"
-    more = f" (+{len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
-    return msg + more
 
 
 def _base_mapping(base: str | dict, here: Path, where: str) -> dict:
@@ -266,15 +291,13 @@ def _base_mapping(base: str | dict, here: Path, where: str) -> dict:
     path = Path(base)
     if not path.is_absolute():
         path = here / path
-    if not path.is_file():
-        raise SweepError(f"{where}: field 'base': spec file {base} does not exist (paths are relative to the sweep file)")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise SweepError(f"{where}: field 'base': {path} is not valid YAML: {str(e).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise SweepError(f"{where}: field 'base': {path} must hold a mapping of spec sections")
-    return data
+    return read_yaml_mapping(
+        path,
+        f"{where}: field 'base': spec file",
+        "an experiment YAML (relative to the sweep file)",
+        "a mapping of spec sections",
+        error=SweepError,
+    )
 
 
 def check_space(sweep: SweepSpec, where: str = "sweep") -> None:
@@ -282,7 +305,9 @@ def check_space(sweep: SweepSpec, where: str = "sweep") -> None:
     accepts, and sampler, pruner and trial count fit the space — so a typo or an impossible range fails
     now, not in trial 7."""
     if not sweep.space:
-        raise SweepError(f"{where}: field 'space' is empty; add at least one dotted spec field, e.g. optim.learning_rate")
+        raise SweepError(
+            f"{where}: field 'space' is empty; add at least one dotted spec field, e.g. optim.learning_rate"
+        )
     for key in sweep.overrides:
         _check_field(key, f"{where}: field 'overrides.{key}'")
     for key in sweep.space:
@@ -293,18 +318,28 @@ def check_space(sweep: SweepSpec, where: str = "sweep") -> None:
             try:
                 trial_spec(sweep, {key: value}, base=base)
             except SpecError as e:
-                raise SweepError(f"{where}: field 'space.{key}': value {value!r} is not accepted by the spec "
-                                 f"({str(e).split(': ', 1)[-1]})") from None
+                raise SweepError(
+                    f"{where}: field 'space.{key}': value {value!r} is not accepted by the spec "
+                    f"({str(e).split(': ', 1)[-1]})"
+                ) from None
     if len(sweep.objectives) == 2 and sweep.pruner.type != "none":
-        raise SweepError(f"{where}: field 'pruner': Optuna cannot prune a two-objective study; set pruner: {{type: none}} "
-                         "(collapse pruning still applies)")
+        raise SweepError(
+            f"{where}: field 'pruner': Optuna cannot prune a two-objective study; "
+            "set pruner: {type: none} "
+            "(collapse pruning still applies)"
+        )
     if sweep.sampler.type == "grid":
         missing = [k for k, p in sweep.space.items() if p.grid_values() is None]
         if missing:
-            raise SweepError(f"{where}: field 'sampler': the grid sampler needs a finite set of values for 'space.{missing[0]}': "
-                             "give it 'grid: [...]' or 'step', or make it categorical")
+            raise SweepError(
+                f"{where}: field 'sampler': the grid sampler needs a finite set of values for "
+                f"'space.{missing[0]}': "
+                "give it 'grid: [...]' or 'step', or make it categorical"
+            )
         if sweep.trials is not None and sweep.trials > sweep.grid_size():
-            raise SweepError(f"{where}: field 'trials': {sweep.trials} is more than the {sweep.grid_size()} points of the grid")
+            raise SweepError(
+                f"{where}: field 'trials': {sweep.trials} is more than the {sweep.grid_size()} points of the grid"
+            )
 
 
 def _check_field(dotted: str, label: str) -> None:
@@ -314,11 +349,13 @@ def _check_field(dotted: str, label: str) -> None:
         fields = getattr(model, "model_fields", None)
         if fields is None or part not in fields:
             known = ", ".join(sorted(fields)) if fields else "(none: it is not a section)"
-            raise SweepError(f"{label}: '{'.'.join(parts[:i + 1])}' is not a field of the experiment spec; "
-                             f"fields here: {known}")
+            raise SweepError(
+                f"{label}: '{'.'.join(parts[: i + 1])}' is not a field of the experiment spec; fields here: {known}"
+            )
         model = fields[part].annotation
     if isinstance(model, type) and issubclass(model, BaseModel):
-        raise SweepError(f"{label}: '{dotted}' is a whole section; name one of its fields, e.g. '{dotted}.{next(iter(model.model_fields))}'")
+        example = f"{dotted}.{next(iter(model.model_fields))}"
+        raise SweepError(f"{label}: '{dotted}' is a whole section; name one of its fields, e.g. '{example}'")
 
 
 def base_spec(sweep: SweepSpec) -> dict:
@@ -330,7 +367,9 @@ def base_spec(sweep: SweepSpec) -> dict:
     return data
 
 
-def trial_spec(sweep: SweepSpec, params: dict[str, Any], name: str | None = None, base: dict | None = None) -> ExperimentSpec:
+def trial_spec(
+    sweep: SweepSpec, params: dict[str, Any], name: str | None = None, base: dict | None = None
+) -> ExperimentSpec:
     """The experiment one trial runs: base + overrides + the trial's values (+ the health gate off when
     collapse pruning is off)."""
     data = json.loads(json.dumps(base if base is not None else base_spec(sweep)))
@@ -344,6 +383,7 @@ def trial_spec(sweep: SweepSpec, params: dict[str, Any], name: str | None = None
 
 
 # ------------------------------------------------------------------------------------------ suggesting
+
 
 def suggest(trial, space: dict[str, ParamSpec]) -> dict[str, Any]:
     """Ask the trial for one value per dimension (define-by-run); returns {dotted field: value}."""
@@ -360,33 +400,41 @@ def suggest(trial, space: dict[str, ParamSpec]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------ objectives
 
+
 def is_step_metric(name: str) -> bool:
     """A metric a step reports (eval/* ones too, at eval.every steps); eval/* objectives read the final eval."""
     return name in METRICS or (name.startswith("rewards/") and name.endswith("/mean"))
 
 
 def stability(history: list[dict], health: HealthConfig) -> float:
-    """max over steps and gate signals of value / threshold: how close the run came to collapsing."""
+    """How close the run came to collapsing: the max over steps and the gate's level signals of value / threshold
+    (1 at the threshold). A signal that trips *below* its threshold (group diversity) counts 2 - value / threshold:
+    1 at the threshold, 2 at zero. Reward-hacking alarms, which need a second signal in the same step, are not
+    levels and are left out."""
     worst = 0.0
     for m in history:
-        for name, (field, _) in GATE_SIGNALS.items():
-            value, threshold = m.get(name), getattr(health, field)
+        for name, alarm in GATE_SIGNALS.items():
+            if getattr(alarm, "also", None):
+                continue
+            value, threshold = m.get(name), getattr(health, alarm[0])
             if value is None or value != value or threshold <= 0:
                 continue
-            worst = max(worst, value / threshold)
+            worst = max(worst, max(0.0, 2 - value / threshold) if getattr(alarm, "below", False) else value / threshold)
     return worst
 
 
-def objective_value(obj: ObjectiveSpec, summary: dict, health: HealthConfig) -> float:
-    """One objective's value from a pipeline summary; raises ValueError when the run did not produce it."""
-    history = summary.get("history") or []
+def objective_value(obj: ObjectiveSpec, result, health: HealthConfig) -> float:
+    """One objective's value from a pipeline result (tasks.summary.PipelineResult); raises ValueError when the run
+    did not produce it."""
+    history = result.history
     if obj.metric == "stability":
         return stability(history, health)
     if obj.metric.startswith("eval/"):
-        value = (summary.get("eval") or {}).get(obj.metric)
+        value = result.eval.get(obj.metric)
         if value is None:
-            raise ValueError(f"objective {obj.metric}: the run's final eval has no such metric "
-                             f"(it has {sorted(summary.get('eval') or {})})")
+            raise ValueError(
+                f"objective {obj.metric}: the run's final eval has no such metric (it has {sorted(result.eval)})"
+            )
         return float(value)
     values = [m[obj.metric] for m in history if obj.metric in m and m[obj.metric] == m[obj.metric]]
     if not values:

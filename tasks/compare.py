@@ -1,7 +1,8 @@
 """Compare two probe results — reports, checkpoints, runs or pooled reports of several runs — and say
 whether B regressed against A.
 
-    ballast compare A B [--alpha 0.01]    A, B: probe report .json | checkpoint (path or s3://) | run directory | MLflow run id
+    ballast compare A B [--alpha 0.01]
+    # A, B: probe report .json | checkpoint (path or s3://) | run directory | MLflow run id
 
 The question is one-sided on purpose: "does B produce malformed output more often than A?" (A is the
 reference: the older code ref, the known-good run). So the test is Fisher's exact test on the 2x2
@@ -23,29 +24,42 @@ code ref) into one report-shaped dict. `plot_comparison()` draws the malformed r
 intervals and, when training histories are known (metrics.jsonl of runs, MLflow metric history),
 the metric curves of A and B side by side.
 """
+
 from __future__ import annotations
 
-import base64
-import html
 import json
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Optional
 
-from tasks.probe import CI_LEVEL, REPORT_KIND, wilson_interval
-from trainer.health import REASONS
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+
+from tasks.pages import render_page  # noqa: E402
+from tasks.probe import probe_checkpoint, wilson_interval  # noqa: E402
+from tasks.probe_report import CI_LEVEL, REPORT_KIND  # noqa: E402
+from tasks.record import default_tracking_uri, probe_report_of_run  # noqa: E402
+from tasks.spec import ProbeConfig  # noqa: E402
+from trainer.checkpoint import MANIFEST, list_checkpoints  # noqa: E402
+from trainer.health import REASONS  # noqa: E402
 
 COMPARISON_KIND = "ballast-comparison"
 POOLED_KIND = "ballast-probe-pool"
 DEFAULT_ALPHA = 0.01
 RUN_ID_RE = re.compile(r"[0-9a-f]{32}")
 # training curves drawn side by side: (metric, title)
-CURVES = [("reward", "reward"), ("completions/mean_length", "completion length"),
-          ("health/ngram_repetition", "3-gram repetition"), ("kl", "KL to reference")]
+CURVES = [
+    ("reward", "reward"),
+    ("completions/mean_length", "completion length"),
+    ("health/ngram_repetition", "3-gram repetition"),
+    ("kl", "KL to reference"),
+]
 
 
 # ── pooling and the test ───────────────────────────────────────────────────────────────────────────
+
 
 def pool_reports(reports: list[dict], label: str = "") -> dict:
     """The probe reports of several runs of one side, added up. An entry with an "error" key stands for
@@ -71,24 +85,49 @@ def pool_reports(reports: list[dict], label: str = "") -> dict:
         "passed": all(r.get("passed", False) for r in reports),
         "n_failed": sum(not r.get("passed", False) for r in reports),
         "failures": failures,
-        "per_report": [{k: r.get(k) for k in ("checkpoint", "step", "n_samples", "n_malformed", "malformed_rate",
-                                                "parity_ok", "parity_max_diff", "passed", "error")} for r in reports],
+        "per_report": [
+            {
+                k: r.get(k)
+                for k in (
+                    "checkpoint",
+                    "step",
+                    "n_samples",
+                    "n_malformed",
+                    "malformed_rate",
+                    "parity_ok",
+                    "parity_max_diff",
+                    "passed",
+                    "error",
+                )
+            }
+            for r in reports
+        ],
     }
 
 
 def _side(report: dict, label: str) -> dict:
     for key in ("n_samples", "n_malformed"):
         if not isinstance(report.get(key), int):
-            raise ValueError(f"{label}: not a probe report (no integer {key!r}); give a report written by `ballast probe --json` "
-                             "or the pipeline's probe_report.json")
+            raise ValueError(
+                f"{label}: not a probe report (no integer {key!r}); give a report written by `ballast probe --json` "
+                "or the pipeline's probe_report.json"
+            )
     n, bad = report["n_samples"], report["n_malformed"]
     n_reports = report.get("n_reports", 1)
     n_parity_failed = report.get("n_parity_failed", 0 if report.get("parity_ok") else 1)
-    return {"label": report.get("label") or label, "n_samples": n, "n_malformed": bad,
-            "malformed_rate": bad / n if n else 0.0, "malformed_ci": wilson_interval(bad, n),
-            "parity_ok": bool(report.get("parity_ok")), "n_reports": n_reports, "n_parity_failed": n_parity_failed,
-            "passed": bool(report.get("passed")), "reason_counts": report.get("reason_counts") or {},
-            "source": report.get("checkpoint") or report.get("checkpoints")}
+    return {
+        "label": report.get("label") or label,
+        "n_samples": n,
+        "n_malformed": bad,
+        "malformed_rate": bad / n if n else 0.0,
+        "malformed_ci": wilson_interval(bad, n),
+        "parity_ok": bool(report.get("parity_ok")),
+        "n_reports": n_reports,
+        "n_parity_failed": n_parity_failed,
+        "passed": bool(report.get("passed")),
+        "reason_counts": report.get("reason_counts") or {},
+        "source": report.get("checkpoint") or report.get("checkpoints"),
+    }
 
 
 def compare(a: dict, b: dict, alpha: float = DEFAULT_ALPHA, labels: tuple[str, str] = ("A", "B")) -> dict:
@@ -98,7 +137,10 @@ def compare(a: dict, b: dict, alpha: float = DEFAULT_ALPHA, labels: tuple[str, s
     if not 0 < alpha < 1:
         raise ValueError(f"alpha={alpha} must be between 0 and 1 (e.g. 0.01)")
     sa, sb = _side(a, labels[0]), _side(b, labels[1])
-    table = [[sa["n_malformed"], sa["n_samples"] - sa["n_malformed"]], [sb["n_malformed"], sb["n_samples"] - sb["n_malformed"]]]
+    table = [
+        [sa["n_malformed"], sa["n_samples"] - sa["n_malformed"]],
+        [sb["n_malformed"], sb["n_samples"] - sb["n_malformed"]],
+    ]
     odds_ratio, p_value = fisher_exact(table, alternative="less")
     rate_regression = bool(p_value < alpha)
     parity_regression = sa["parity_ok"] and not sb["parity_ok"]
@@ -127,18 +169,23 @@ def format_verdict(result: dict) -> str:
     """One line: the verdict, both malformed counts and rates, the p-value (and a parity regression, if any)."""
     a, b = result["a"], result["b"]
     la, lb = a["label"], b["label"]
-    line = (f"{result['verdict']}: {lb} malformed {b['n_malformed']}/{b['n_samples']} ({b['malformed_rate']:.1%}) vs "
-            f"{la} {a['n_malformed']}/{a['n_samples']} ({a['malformed_rate']:.1%}), Fisher exact p={result['p_value']:.2g} "
-            f"(one-sided, alpha {result['alpha']:g})")
+    line = (
+        f"{result['verdict']}: {lb} malformed {b['n_malformed']}/{b['n_samples']} ({b['malformed_rate']:.1%}) vs "
+        f"{la} {a['n_malformed']}/{a['n_samples']} ({a['malformed_rate']:.1%}), Fisher exact p={result['p_value']:.2g} "
+        f"(one-sided, alpha {result['alpha']:g})"
+    )
     if result["parity_regression"]:
-        line += (f"; {lb} fails parity in {b['n_parity_failed']} of {b['n_reports']} artifact(s) while {la} passes "
-                 "(reloaded weights differ from those saved)")
+        line += (
+            f"; {lb} fails parity in {b['n_parity_failed']} of {b['n_reports']} artifact(s) while {la} passes "
+            "(reloaded weights differ from those saved)"
+        )
     return line
 
 
 # ── what A and B can be ────────────────────────────────────────────────────────────────────────────
 
-def read_history(metrics_file: Path) -> Optional[list[dict]]:
+
+def read_history(metrics_file: Path) -> list[dict] | None:
     """A run's metrics.jsonl as a list of step dicts; None when there is none."""
     metrics_file = Path(metrics_file)
     if not metrics_file.is_file():
@@ -146,8 +193,15 @@ def read_history(metrics_file: Path) -> Optional[list[dict]]:
     return [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
 
 
-def resolve_target(x: str, *, probe_cfg=None, model_cfg=None, lora_cfg=None, cache_dir: Path | None = None,
-                   tracking_uri: str | None = None) -> tuple[dict, Optional[list[dict]]]:
+def resolve_target(
+    x: str,
+    *,
+    probe_cfg=None,
+    model_cfg=None,
+    lora_cfg=None,
+    cache_dir: Path | None = None,
+    tracking_uri: str | None = None,
+) -> tuple[dict, list[dict] | None]:
     """(report, history) for one side of a comparison:
 
     * a .json file: a probe report (or pooled report) as written by `ballast probe --json`, the pipeline or
@@ -157,12 +211,9 @@ def resolve_target(x: str, *, probe_cfg=None, model_cfg=None, lora_cfg=None, cac
     * a run directory of the trainer (holds checkpoints/): its newest checkpoint probed, history from metrics.jsonl;
     * an MLflow run id: the run's newest probe report artifact and its metric history (`tracking_uri`).
     """
-    from tasks.probe import probe_checkpoint
-    from tasks.spec import ProbeConfig
-    from trainer.checkpoint import MANIFEST, list_checkpoints
 
     def probe(uri: str) -> dict:
-        return probe_checkpoint(uri, probe_cfg or ProbeConfig(), model_cfg, cache_dir, lora_cfg=lora_cfg)
+        return probe_checkpoint(uri, probe_cfg or ProbeConfig(), model_cfg, cache_dir, lora_cfg=lora_cfg).to_dict()
 
     path = Path(x).expanduser()
     if x.startswith("s3://"):
@@ -171,10 +222,14 @@ def resolve_target(x: str, *, probe_cfg=None, model_cfg=None, lora_cfg=None, cac
         try:
             report = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{x} is not a JSON probe report ({e}); give a report written by `ballast probe --json`") from None
+            raise ValueError(
+                f"{x} is not a JSON probe report ({e}); give a report written by `ballast probe --json`"
+            ) from None
         if not isinstance(report, dict) or report.get("kind") not in (REPORT_KIND, POOLED_KIND):
-            raise ValueError(f"{x} is JSON but not a Ballast probe report (no kind {REPORT_KIND!r}); "
-                             "give a report written by `ballast probe --json` or the pipeline")
+            raise ValueError(
+                f"{x} is JSON but not a Ballast probe report (no kind {REPORT_KIND!r}); "
+                "give a report written by `ballast probe --json` or the pipeline"
+            )
         return report, None
     if path.is_dir():
         if (path / MANIFEST).is_file():
@@ -182,48 +237,26 @@ def resolve_target(x: str, *, probe_cfg=None, model_cfg=None, lora_cfg=None, cac
         if (path / "checkpoints").is_dir():
             found = list_checkpoints(path / "checkpoints")
             if not found:
-                raise ValueError(f"run directory {x} holds no checkpoint under checkpoints/; train it first or give a checkpoint")
+                raise ValueError(
+                    f"run directory {x} holds no checkpoint under checkpoints/; train it first or give a checkpoint"
+                )
             return probe(str(found[-1][1])), read_history(path / "metrics.jsonl")
         if (path / "probe_report.json").is_file():
             return resolve_target(str(path / "probe_report.json"))
-        raise ValueError(f"{x} is a directory but neither a checkpoint (no {MANIFEST}), a run directory (no checkpoints/) "
-                         "nor a probe report directory (no probe_report.json)")
+        raise ValueError(
+            f"{x} is a directory but neither a checkpoint (no {MANIFEST}), a run directory (no checkpoints/) "
+            "nor a probe report directory (no probe_report.json)"
+        )
     if RUN_ID_RE.fullmatch(x):
-        return _from_mlflow(x, tracking_uri)
-    raise FileNotFoundError(f"{x!r} is neither an existing probe report, checkpoint or run directory, an s3:// URI, nor an "
-                            "MLflow run id (32 hex characters); check the path")
-
-
-def _from_mlflow(run_id: str, tracking_uri: str | None) -> tuple[dict, Optional[list[dict]]]:
-    import tempfile
-
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
-    uri = tracking_uri or f"sqlite:///{Path('.ballast').resolve() / 'mlflow.db'}"
-    client = MlflowClient(uri)
-    try:
-        run = client.get_run(run_id)
-    except Exception:
-        raise ValueError(f"MLflow run {run_id} was not found in {uri}; check the run id or pass --tracking-uri") from None
-    steps = sorted(a.path for a in client.list_artifacts(run_id, "probe") if a.is_dir)
-    if not steps:
-        raise ValueError(f"MLflow run {run_id} has no probe report (artifacts probe/step-*/probe_report.json); "
-                         "it did not reach the probe stage — compare its checkpoint instead")
-    with tempfile.TemporaryDirectory() as tmp:
-        local = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=f"{steps[-1]}/probe_report.json",
-                                                    dst_path=tmp, tracking_uri=uri)
-        report = json.loads(Path(local).read_text())
-    by_step: dict[int, dict] = {}
-    for key, _ in CURVES:
-        if key in run.data.metrics:
-            for m in client.get_metric_history(run_id, key):
-                by_step.setdefault(m.step, {"step": m.step})[key] = m.value
-    history = [by_step[s] for s in sorted(by_step)] or None
-    return report, history
+        return probe_report_of_run(tracking_uri or default_tracking_uri(), x, [key for key, _ in CURVES])
+    raise FileNotFoundError(
+        f"{x!r} is neither an existing probe report, checkpoint or run directory, an s3:// URI, nor an "
+        "MLflow run id (32 hex characters); check the path"
+    )
 
 
 # ── plots and page ─────────────────────────────────────────────────────────────────────────────────
+
 
 def _runs(history) -> list[list[dict]]:
     """A history (one run: list of step dicts) or several (list of such lists), as a list of runs."""
@@ -239,10 +272,6 @@ def _name(letter: str, label: str) -> str:
 def plot_comparison(result: dict, out_dir: Path, history_a=None, history_b=None) -> list[Path]:
     """rates.png (malformed rate with its Wilson interval, A vs B) and, when histories are given,
     curves.png (training metrics of A and B side by side, one thin line per run)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     colors = ("#1f77b4", "#d62728")
@@ -272,8 +301,13 @@ def plot_comparison(result: dict, out_dir: Path, history_a=None, history_b=None)
                 for k, run in enumerate(runs):
                     pts = [(m["step"], m[key]) for m in run if key in m and m[key] == m[key]]
                     if pts:
-                        ax.plot(*zip(*pts), color=color, alpha=0.8, linewidth=1,
-                                label=_name("A" if side is sides[0] else "B", side["label"]) if k == 0 else None)
+                        ax.plot(
+                            *zip(*pts),
+                            color=color,
+                            alpha=0.8,
+                            linewidth=1,
+                            label=_name("A" if side is sides[0] else "B", side["label"]) if k == 0 else None,
+                        )
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
@@ -288,32 +322,4 @@ def plot_comparison(result: dict, out_dir: Path, history_a=None, history_b=None)
 
 def write_comparison_html(result: dict, path: str | Path, plots: list[Path] = (), extra: dict | None = None) -> Path:
     """A self-contained page: the verdict line, both sides' counts and intervals, the test, the plots."""
-    e = lambda x: html.escape(str(x))  # noqa: E731
-    rows = ""
-    for key, label in (("label", "label"), ("n_samples", "samples"), ("n_malformed", "malformed"),
-                       ("malformed_rate", "malformed rate"), ("malformed_ci", "95% Wilson interval"),
-                       ("parity_ok", "parity ok"), ("n_reports", "artifacts probed"), ("n_parity_failed", "parity failures"),
-                       ("reason_counts", "reasons"), ("source", "source")):
-        fmt = (lambda v: f"{v:.1%}") if key == "malformed_rate" else (
-            (lambda v: f"{v[0]:.1%} – {v[1]:.1%}") if key == "malformed_ci" else (lambda v: json.dumps(v) if isinstance(v, (dict, list)) else v))
-        rows += f"<tr><th>{e(label)}</th><td>{e(fmt(result['a'][key]))}</td><td>{e(fmt(result['b'][key]))}</td></tr>"
-    info = {"test": f"Fisher's exact test, {result['alternative']}", "p-value": f"{result['p_value']:.3g}",
-            "odds ratio": f"{result['odds_ratio']:.3g}", "alpha": result["alpha"], **(extra or {})}
-    info_rows = "".join(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in info.items())
-    imgs = "".join(f'<img alt="{e(p.stem)}" src="data:image/png;base64,{base64.b64encode(Path(p).read_bytes()).decode()}">'
-                   for p in plots)
-    cls = "fail" if result["regression"] else "pass"
-    page = f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>Ballast comparison: {e(result['verdict'])}</title>
-<style>body{{font-family:system-ui,sans-serif;margin:2em;max-width:1400px}}
-table{{border-collapse:collapse;margin:0.5em 0 1.5em}} th,td{{border:1px solid #ccc;padding:4px 8px;text-align:left}}
-.banner{{font-size:1.2em;font-weight:bold;padding:0.6em 1em;border-radius:6px;color:#fff}}
-.pass{{background:#2e7d32}} .fail{{background:#c62828}} img{{margin:6px;border:1px solid #eee;max-width:100%}}</style></head>
-<body><h1>A vs B</h1><div class="banner {cls}">{e(result['summary'])}</div>
-<h2>Malformed rates</h2><table><tr><th></th><th>A</th><th>B</th></tr>{rows}</table>
-<h2>Test</h2><table>{info_rows}</table><h2>Plots</h2>{imgs}</body></html>
-"""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(page, encoding="utf-8")
-    return path
+    return render_page("comparison.html", path, r=result, plots=[Path(p) for p in plots], extra=extra or {})

@@ -1,107 +1,83 @@
-"""The artifact probe: reload a saved checkpoint in a fresh engine, sample fixed prompts, and say
-whether what comes out is healthy — before anyone ships it.
+"""The artifact probe: reload a saved checkpoint in a fresh model, sample fixed prompts, and say whether what
+comes out is healthy — compared with what the model it started from writes on the same prompts. `probe_checkpoint()`
+runs the steps below and returns a `ProbeReport` (tasks/probe_report.py).
 
-    ballast probe CHECKPOINT [--prompts FILE] [--n 6] [--temperature 0.7] [--max-tokens 512] ...
+1. **Fetch and verify** the artifact (local path or s3://): every file's sha256 (`Checkpoint.open`).
+2. **Identity checks** from the manifest: the base model it was trained on (config and weights sha256) against
+   the one the probe loads; the saved adapter config (r, alpha, target modules) against the run's LoRA settings.
+3. **Fresh load** of base + adapter (or the full model) *from the artifact*, never a trainer's memory; its
+   `tokenizer/` compared with the base model's (vocabulary, special tokens, chat template, rendered prompts).
+4. **Parity**: the manifest's fingerprint sequence teacher-forced through the reloaded model must reproduce the
+   logprobs recorded at save time within `probe.parity_tolerance` (catches a rescaled or doubled adapter, a
+   changed alpha, another base model).
+5. **Sample and classify** the checkpoint and its **baseline** — the fork's parent checkpoint for a forked run,
+   else the base model (for a LoRA checkpoint: the same model with its adapter disabled) — on the same prompts
+   with the same settings and seed; every completion classified by trainer.health.classify, the detectors of the
+   trainer's collapse metrics. The baseline's completions are cached under `baseline_cache`, keyed by its identity
+   (weights hashes, or the parent's file hashes), the rendered prompts and the sampling settings, so a pipeline
+   pays for them once.
 
-`probe_checkpoint()` is a plain function (flows/pipeline.py wraps it in a Prefect task). Step by step:
-
-1. **Fetch and verify.** The artifact (local path or s3://) is fetched (tasks.store.fetch) and its
-   manifest verified: every file's sha256 (trainer.checkpoint.verify_checkpoint).
-2. **Identity checks, from the manifest.** The base model it was trained on (config and weights
-   sha256) against the base the probe loads; the saved `adapter/adapter_config.json` (r, lora_alpha,
-   target modules) against the LoRA settings the run trained with (manifest "lora").
-3. **Fresh load.** Base model + adapter are loaded *from the artifact* into a new model
-   (trainer.model.load_policy) and a new HF engine — never the trainer's in-memory weights. The
-   tokenizer is the checkpoint's own `tokenizer/` (what the run trained with), compared with the
-   base model's tokenizer: vocabulary, special tokens, chat template, and the rendered prompts.
-4. **Parity.** The manifest's fingerprint sequence is teacher-forced through the reloaded model;
-   the max |logprob difference| to the values recorded at save time must be within
-   `probe.parity_tolerance`. This catches a rescaled adapter, an adapter applied twice, a changed
-   LoRA alpha, a different base model — whatever makes "the model saved" differ from "the model
-   reloaded".
-5. **Sampling and classification.** Each probe prompt is rendered with the chat template (as in
-   training), sampled `n` times at `temperature` / `max_tokens` / `seed` in one batch, and every
-   completion is classified by trainer.health.classify — the same detectors as the trainer's
-   collapse metrics: repetition_loop, length_cap, format_missing (`format_tag`), garbage, too_long.
-
-**Pass or fail.** `passed` is true when there is no entry in `failures`: the identity checks hold,
-parity holds, and `malformed_rate <= probe.max_malformed_rate` (the point estimate; the Wilson
-interval is reported beside it). Each failure is one sentence that names what is wrong and what to do.
-
-**An artifact that cannot be loaded at all** — missing, incomplete (saved mid-write), altered after
-saving, or weights that do not fit their adapter config — raises `ProbeError` with the reason, since
-there is nothing to sample: `ballast probe` prints it and exits 1; in the pipeline the probe stage
-fails with it. A missing local path raises FileNotFoundError.
-
-**Probe prompts** live in files: `.jsonl` with {"prompt": ..., optional "answer" (a reference
-completion), optional "expected_length" (characters)}, or `.txt` with one prompt per line. The
-shipped default (`tasks/probe_prompts/default.jsonl`) fits the quickstart's arithmetic model and its
-`<output>` format; a real model should point `probe.prompts_file` to prompts of its own task.
-The expected length of a prompt's answer (for too_long) is its "expected_length", else
-`probe.expected_length`, else the length of its "answer", else unchecked; too_long fires beyond
-`probe.length_factor` (3) times it.
-
-**The report** (JSON, `schema_version` 1; keys are stable, new keys may be added):
-
-    schema_version      1
-    kind                "ballast-probe-report"
-    checkpoint          the URI probed;  local_path: where it was read from
-    step                the checkpoint's step (manifest)
-    base_model          the base model loaded (name_or_path);  trained_on: the manifest's base model
-    code_ref            {"commit", "dirty"} of the code that saved the checkpoint (manifest)
-    created_at, seconds when the probe ran and how long it took
-    n_prompts, n_samples, n_malformed      counts; a sample is malformed when it has any reason
-    malformed_rate      n_malformed / n_samples
-    malformed_ci        [lo, hi]: Wilson score interval at ci_level (0.95)
-    reason_counts       {reason code: samples with that reason}, every code of trainer.health.REASONS
-    parity_ok           the reloaded artifact reproduces its save-time logprobs within tolerance
-    parity_max_diff     max |logprob difference| (null when the manifest has no fingerprint)
-    parity_tolerance    the tolerance used
-    checks              {"base_model" | "adapter_config" | "tokenizer" | "parity": {"ok", "detail"}}
-    passed              no failures
-    failures            human-actionable sentences, one per failed check
-    per_prompt          [{index, prompt, answer, expected_length, n_samples, n_malformed,
-                          malformed_rate, reason_counts, mean_tokens}]
-    samples             [{prompt_index, prompt, sample, text, reasons, malformed, n_tokens, finish_reason}]
-    settings            {n, temperature, max_tokens, format_tag, expected_length, length_factor,
-                         max_malformed_rate, seed, prompts_file, engine, device}
-
-`write_probe_html()` renders the same report as one self-contained HTML page.
+What fits the model probed: prompts are the experiment's held-out prompts (`data:`; its training prompts when it
+has no held-out set), the first `probe.num_prompts`, rendered exactly as training renders them (system prompt,
+template), or `probe.prompts_file`; the data section and rewards are the ones the checkpoint was trained with
+(state/trainer_state.json) unless given. The format check applies only when the rewards require a tag
+(`probe.format_tag` overrides). `too_long` fires beyond `probe.length_factor` x the baseline's median length on the
+same prompt (`probe.expected_length`, or a prompt file's, overrides). The verdict is relative: it fails when the
+malformed rate exceeds the baseline's by more than `probe.max_malformed_increase` with one-sided Fisher exact
+p < `probe.significance`, or is above the absolute cap `probe.max_malformed_rate`, or any check failed. An artifact
+that cannot be loaded at all raises `ProbeError` naming why.
 """
+
 from __future__ import annotations
 
-import html
+import hashlib
+import inspect
 import json
+import os
+import statistics
 import time
 from collections import Counter
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
 
-from trainer.checkpoint import CheckpointError, verify_checkpoint
-from trainer.config import LoraConfig, ModelConfig
+import torch
+from pydantic import ValidationError
+from scipy.stats import binomtest, fisher_exact
+from transformers import AutoTokenizer
+
+from tasks.checkpoint import fetch_checkpoint
+from tasks.probe_report import CI_LEVEL, Baseline, Check, ProbeReport, ProbeSample, PromptResult
+from trainer.checkpoint import Checkpoint, CheckpointError
+from trainer.config import DataConfig, LoraConfig, ModelConfig, RewardConfig
+from trainer.data import load_datasets, render_prompt
+from trainer.engines.base import SamplingParams
+from trainer.engines.hf import HFEngine
 from trainer.health import REASONS, classify, reason_code
+from trainer.model import compare_fingerprint, ensure_model, load_policy, load_tokenizer, model_identity
+from trainer.rewards import REGISTRY
 
-SCHEMA_VERSION = 1
-REPORT_KIND = "ballast-probe-report"
-CI_LEVEL = 0.95
-DEFAULT_PROMPTS = Path(__file__).resolve().parent / "probe_prompts" / "default.jsonl"
 DEFAULT_CACHE = Path(".ballast") / "cache" / "probe"
+DEFAULT_BASELINE_CACHE = Path(".ballast") / "cache" / "probe-baseline"
+BASELINE_CACHE_VERSION = 1  # bump when what a cached baseline holds, or how it is sampled, changes
 SHOW_DIFFS = 3  # examples quoted in a tokenizer-mismatch message
 
 
 class ProbeError(ValueError):
-    """The artifact cannot be probed at all (missing, incomplete, altered, unloadable); the message says why and what to do."""
+    """The artifact cannot be probed at all (missing, incomplete, altered, unloadable); the message says why."""
 
 
 # ── probe prompts ──────────────────────────────────────────────────────────────────────────────────
 
-def load_probe_prompts(path: str | Path | None = None) -> list[dict]:
+
+def load_probe_prompts(path: str | Path) -> list[dict]:
     """Probe prompts from a .jsonl ({"prompt", optional "answer", optional "expected_length"}) or a
-    .txt (one prompt per line) file; the shipped default set when `path` is None."""
-    path = Path(path).expanduser() if path is not None else DEFAULT_PROMPTS
+    .txt (one prompt per line) file."""
+    path = Path(path).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"probe prompts file {path} does not exist; set probe.prompts_file (or --prompts) to a "
-                                ".jsonl or .txt file, or leave it unset for the default set")
+        raise FileNotFoundError(
+            f"probe prompts file {path} does not exist; set probe.prompts_file (or --prompts) to a "
+            ".jsonl or .txt file, or leave it unset for the experiment's held-out prompts"
+        )
     prompts: list[dict] = []
     lines = path.read_text(encoding="utf-8").splitlines()
     if path.suffix == ".txt":
@@ -113,15 +89,21 @@ def load_probe_prompts(path: str | Path | None = None) -> list[dict]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e}); each line must be an object with a 'prompt'") from None
+                raise ValueError(
+                    f"{path}:{lineno}: not valid JSON ({e}); each line must be an object with a 'prompt'"
+                ) from None
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
                 raise ValueError(f"{path}:{lineno}: each line must be a JSON object with a non-empty 'prompt' string")
             unknown = set(row) - {"prompt", "answer", "expected_length"}
             if unknown:
-                raise ValueError(f"{path}:{lineno}: unknown field(s) {sorted(unknown)}; allowed: prompt, answer, expected_length")
+                raise ValueError(
+                    f"{path}:{lineno}: unknown field(s) {sorted(unknown)}; allowed: prompt, answer, expected_length"
+                )
             expected = row.get("expected_length")
             if expected is not None and (not isinstance(expected, int) or expected < 1):
-                raise ValueError(f"{path}:{lineno}: expected_length must be a positive integer (characters), got {expected!r}")
+                raise ValueError(
+                    f"{path}:{lineno}: expected_length must be a positive integer (characters), got {expected!r}"
+                )
             prompts.append({"prompt": row["prompt"], "answer": row.get("answer"), "expected_length": expected})
     else:
         raise ValueError(f"probe prompts file {path} must be .jsonl or .txt")
@@ -133,38 +115,131 @@ def load_probe_prompts(path: str | Path | None = None) -> list[dict]:
     return prompts
 
 
+def held_out_prompts(data: DataConfig, k: int) -> tuple[list[dict], str]:
+    """The first `k` held-out prompts of the data section (its training prompts when it has no held-out set), and
+    where they came from in words."""
+    train, held_out = load_datasets(data)
+    examples, which = (held_out, "held-out") if held_out else (train, "training (the data has no held-out set)")
+    chosen = examples[:k]
+    source = f"the first {len(chosen)} {which} prompts of data.source {data.source!r}"
+    return [{"prompt": e.prompt, "answer": e.answer, "expected_length": None} for e in chosen], source
+
+
+def choose_prompts(cfg, data: DataConfig | None) -> tuple[list[dict], str]:
+    """(prompts, where they came from): probe.prompts_file, else the experiment's held-out prompts."""
+    if cfg.prompts_file:
+        return load_probe_prompts(cfg.prompts_file), str(cfg.prompts_file)
+    if data is None:
+        raise ProbeError(
+            "no probe prompts: the checkpoint does not record the data it was trained on; give "
+            "probe.prompts_file (ballast probe --prompts) or the experiment's spec (--spec)"
+        )
+    try:
+        return held_out_prompts(data, cfg.num_prompts)
+    except (OSError, ValueError) as e:
+        raise ProbeError(
+            f"the probe's default prompts are the experiment's held-out prompts, which cannot be read "
+            f"here ({e}); give probe.prompts_file (ballast probe --prompts)"
+        ) from None
+
+
+# ── what the experiment asks of an answer ──────────────────────────────────────────────────────────
+
+
+def reward_tag(rewards: list[RewardConfig] | None) -> str | None:
+    """The tag the first reward that requires one asks for: a `tag` kwarg, or the default `tag` parameter of a
+    built-in (exact_answer, tag_answer, format); None when no reward requires a tag."""
+    for reward in rewards or []:
+        if "tag" in reward.kwargs:
+            return str(reward.kwargs["tag"])
+        fn = REGISTRY.get(reward.name)
+        parameter = _signature_parameter(fn, "tag") if fn is not None else None
+        if parameter is not None:
+            return parameter
+    return None
+
+
+def _signature_parameter(fn, name: str) -> str | None:
+    try:
+        parameter = inspect.signature(fn).parameters.get(name)
+    except (TypeError, ValueError):
+        return None
+    return parameter.default if parameter is not None and isinstance(parameter.default, str) else None
+
+
+def format_tag_for(cfg, rewards: list[RewardConfig] | None) -> str | None:
+    """The tag completions must hold: probe.format_tag when given (False: none), else the rewards' tag."""
+    if cfg.format_tag is False:
+        return None
+    return cfg.format_tag if cfg.format_tag is not None else reward_tag(rewards)
+
+
+def trained_sections(checkpoint: Checkpoint) -> tuple[DataConfig | None, list[RewardConfig] | None]:
+    """The data section and rewards the checkpoint was trained with (its trainer state); None for what it lacks."""
+    try:
+        config = checkpoint.trainer_state().get("config") or {}
+    except (OSError, ValueError):
+        return None, None
+    try:
+        data = DataConfig.model_validate(config["data"]) if "data" in config else None
+    except ValidationError:
+        data = None
+    try:
+        rewards = [RewardConfig.model_validate(r) for r in config["rewards"]] if "rewards" in config else None
+    except ValidationError:
+        rewards = None
+    return data, rewards
+
+
 # ── statistics ─────────────────────────────────────────────────────────────────────────────────────
+
 
 def wilson_interval(k: int, n: int, level: float = CI_LEVEL) -> list[float]:
     """[lo, hi] Wilson score interval of a binomial proportion k/n; [0, 1] when n is 0."""
     if n == 0:
         return [0.0, 1.0]
-    from scipy.stats import binomtest
     ci = binomtest(k, n).proportion_ci(confidence_level=level, method="wilson")
     return [max(0.0, float(ci.low)), min(1.0, float(ci.high))]
 
 
+def excess_p_value(bad: int, n: int, base_bad: int, base_n: int) -> float:
+    """One-sided Fisher exact p-value of "the checkpoint is malformed more often than its baseline"."""
+    _, p = fisher_exact([[bad, n - bad], [base_bad, base_n - base_bad]], alternative="greater")
+    return float(p)
+
+
 # ── the checks ─────────────────────────────────────────────────────────────────────────────────────
 
-def _check_base_model(manifest: dict, model_cfg: ModelConfig) -> tuple[bool, str]:
-    from trainer.model import model_identity
 
+def _check_base_model(manifest: dict, model_cfg: ModelConfig, now: dict) -> Check:
+    """`now`: model_identity(model_cfg), the base model the probe loads."""
     saved = manifest.get("base_model") or {}
     if not saved:
-        return True, "the manifest records no base model; not checked"
-    now = model_identity(model_cfg)
+        return Check(True, "the manifest records no base model; not checked")
     compared = False
     for key in ("config_sha256", "weights_sha256"):
         if key in saved and key in now:
             compared = True
             if saved[key] != now[key]:
-                return False, (f"wrong base model: the checkpoint was trained on {saved.get('name_or_path')!r} ({key} "
-                               f"{_short(saved[key])}) but the probe loaded {model_cfg.name_or_path!r} ({key} {_short(now[key])}); "
-                               "point model.name_or_path (or --base) at the base model the run trained on")
+                return Check(
+                    False,
+                    f"wrong base model: the checkpoint was trained on {saved.get('name_or_path')!r} "
+                    f"({key} {_short(saved[key])}) but the probe loaded {model_cfg.name_or_path!r} "
+                    f"({key} {_short(now[key])}); point model.name_or_path (or --base) at the base "
+                    "model the run trained on",
+                )
     if not compared and saved.get("name_or_path") != model_cfg.name_or_path:
-        return False, (f"wrong base model: the checkpoint was trained on {saved.get('name_or_path')!r} but the probe loaded "
-                       f"{model_cfg.name_or_path!r}; point model.name_or_path (or --base) at the base model the run trained on")
-    return True, f"trained on {saved.get('name_or_path')!r}; loaded {model_cfg.name_or_path!r}" + (" (same hashes)" if compared else "")
+        return Check(
+            False,
+            f"wrong base model: the checkpoint was trained on {saved.get('name_or_path')!r} but the "
+            f"probe loaded {model_cfg.name_or_path!r}; point model.name_or_path (or --base) at the "
+            "base model the run trained on",
+        )
+    return Check(
+        True,
+        f"trained on {saved.get('name_or_path')!r}; loaded {model_cfg.name_or_path!r}"
+        + (" (same hashes)" if compared else ""),
+    )
 
 
 def _short(value) -> str:
@@ -173,22 +248,34 @@ def _short(value) -> str:
     return str(value)[:16]
 
 
-def _check_adapter_config(local: Path, manifest: dict) -> tuple[bool, str]:
+def _check_adapter_config(local: Path, manifest: dict) -> Check:
     trained = manifest.get("lora")
     path = local / "adapter" / "adapter_config.json"
     if not trained or not path.is_file():
-        return True, "no LoRA settings in the manifest or no adapter_config.json; not checked"
+        return Check(True, "no LoRA settings in the manifest or no adapter_config.json; not checked")
     try:
         saved = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        return False, f"adapter/adapter_config.json is not valid JSON ({e}); the adapter config was corrupted — restore it from the run"
+        return Check(
+            False,
+            f"adapter/adapter_config.json is not valid JSON ({e}); the adapter config was corrupted "
+            "— restore it from the run",
+        )
     problems = []
     if saved.get("r") != trained.get("r"):
         problems.append(f"r={saved.get('r')} but the run trained with lora.r={trained.get('r')}")
-    if saved.get("lora_alpha") is not None and trained.get("alpha") is not None and float(saved["lora_alpha"]) != float(trained["alpha"]):
+    if (
+        saved.get("lora_alpha") is not None
+        and trained.get("alpha") is not None
+        and float(saved["lora_alpha"]) != float(trained["alpha"])
+    ):
         problems.append(f"lora_alpha={saved['lora_alpha']:g} but the run trained with lora.alpha={trained['alpha']:g}")
     targets_saved, targets_trained = saved.get("target_modules"), trained.get("target_modules")
-    if isinstance(targets_saved, list) and targets_trained and set(targets_saved) != set(targets_trained):
+    if (
+        isinstance(targets_saved, list)
+        and isinstance(targets_trained, list)
+        and set(targets_saved) != set(targets_trained)
+    ):
         problems.append(f"target_modules={sorted(targets_saved)} but the run trained with {sorted(targets_trained)}")
     if problems:
         scale_note = ""
@@ -199,16 +286,19 @@ def _check_adapter_config(local: Path, manifest: dict) -> tuple[bool, str]:
                 scale_note = f" (the adapter's scale alpha/r is {now:g} instead of {was:g}, {now / was:g}x)"
         except (KeyError, TypeError, ValueError, ZeroDivisionError):
             pass
-        return False, ("adapter config differs from the training config in the manifest: " + "; ".join(problems) + scale_note +
-                       " — the adapter was saved or edited with the wrong LoRA settings; restore adapter_config.json "
-                       "from the run or fix the code that writes it")
-    return True, f"r={saved.get('r')}, lora_alpha={saved.get('lora_alpha')} as trained"
+        return Check(
+            False,
+            "adapter config differs from the training config in the manifest: "
+            + "; ".join(problems)
+            + scale_note
+            + " — the adapter was saved or edited with the wrong LoRA settings; restore "
+            "adapter_config.json from the run or fix the code that writes it",
+        )
+    return Check(True, f"r={saved.get('r')}, lora_alpha={saved.get('lora_alpha')} as trained")
 
 
 def _load_tokenizer_dir(path: Path):
     """The checkpoint's saved tokenizer, set up like trainer.model.load_tokenizer (left padding, a pad token)."""
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
@@ -216,10 +306,8 @@ def _load_tokenizer_dir(path: Path):
     return tokenizer
 
 
-def _check_tokenizer(saved, base, prompts: list[dict]) -> tuple[bool, str]:
+def _check_tokenizer(saved, base, prompts: list[dict], data: DataConfig | None) -> Check:
     """Does the checkpoint's tokenizer/ encode like the base model's? Differences, most telling first."""
-    from trainer.data import render_prompt
-
     diffs = []
     v_saved, v_base = saved.get_vocab(), base.get_vocab()
     if v_saved != v_base:
@@ -235,7 +323,7 @@ def _check_tokenizer(saved, base, prompts: list[dict]) -> tuple[bool, str]:
     if not diffs:
         for p in prompts:
             try:
-                a, b = render_prompt(saved, p["prompt"]), render_prompt(base, p["prompt"])
+                a, b = render_prompt(saved, p["prompt"], data), render_prompt(base, p["prompt"], data)
             except Exception as e:  # a template that cannot render is itself a mismatch worth naming
                 diffs.append(f"rendering prompt {p['prompt']!r} failed: {e}")
                 break
@@ -243,278 +331,450 @@ def _check_tokenizer(saved, base, prompts: list[dict]) -> tuple[bool, str]:
                 diffs.append(f"prompt {p['prompt']!r} renders to different token ids")
                 break
     if diffs:
-        return False, ("tokenizer mismatch: the checkpoint's tokenizer/ differs from the base model's (" + "; ".join(diffs) +
-                       "); a model served with the base tokenizer will see other token ids than it was trained on — "
-                       "find which tokenizer the run trained with and serve (and re-save) that one")
-    return True, "the checkpoint's tokenizer/ matches the base model's"
-
-
-def _load_full_model(model_dir: Path, model_cfg: ModelConfig):
-    """(model, base tokenizer) of a full fine-tuning checkpoint: its weights, the base model's tokenizer, frozen."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from trainer.model import ensure_model, load_tokenizer, resolve_device
-
-    tokenizer = load_tokenizer(ensure_model(model_cfg))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, model_cfg.dtype),
-                                                 trust_remote_code=model_cfg.trust_remote_code)
-    model.to(resolve_device(model_cfg.device)).eval().requires_grad_(False)
-    if model.generation_config.pad_token_id is None:
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model, tokenizer
+        return Check(
+            False,
+            "tokenizer mismatch: the checkpoint's tokenizer/ differs from the base model's ("
+            + "; ".join(diffs)
+            + "); a model served with the base tokenizer will see other token ids than it "
+            "was trained on — find which tokenizer the run trained with and serve (and re-save) that one",
+        )
+    return Check(True, "the checkpoint's tokenizer/ matches the base model's")
 
 
 # ── the probe ──────────────────────────────────────────────────────────────────────────────────────
+
 
 def model_config_from_manifest(manifest: dict, device: str = "auto") -> ModelConfig:
     """The base model a checkpoint was trained on, as a ModelConfig (for probing without a spec)."""
     name = (manifest.get("base_model") or {}).get("name_or_path")
     if not name:
-        raise ProbeError("the checkpoint's manifest does not name its base model; give the base model (--base or a --spec)")
+        raise ProbeError(
+            "the checkpoint's manifest does not name its base model; give the base model (--base or a --spec)"
+        )
     return ModelConfig(name_or_path=name, device=device)
 
 
-def probe_checkpoint(checkpoint_uri: str, cfg, model_cfg: Optional[ModelConfig] = None, cache_dir: Path | None = None,
-                     lora_cfg: Optional[LoraConfig] = None, engine: str = "hf") -> dict:
-    """Probe the checkpoint at `checkpoint_uri` (local path or s3://) with ProbeConfig `cfg`; returns the report
-    (see the module docstring). `model_cfg` is the base model to load (default: the one the manifest names).
-    Raises ProbeError when the artifact cannot be loaded at all."""
-    import torch
+def base_model_of(checkpoint_uri: str, cache_dir: Path, device: str = "auto") -> ModelConfig:
+    """The base model a checkpoint's manifest names, on `device`."""
+    return model_config_from_manifest(_open(checkpoint_uri, cache_dir).manifest, device=device)
 
-    from tasks.store import fetch
-    from trainer.data import render_prompt
-    from trainer.engines.base import SamplingParams
-    from trainer.engines.hf import HFEngine
-    from trainer.model import compare_fingerprint, ensure_model, load_policy, load_tokenizer
 
-    if engine != "hf":
-        raise ValueError(f"engine={engine!r}: the probe samples with the 'hf' engine (a fresh in-process model); use engine='hf'")
+def probe_checkpoint(
+    checkpoint_uri: str,
+    cfg,
+    model_cfg: ModelConfig | None = None,
+    cache_dir: Path | None = None,
+    lora_cfg: LoraConfig | None = None,
+    *,
+    data: DataConfig | None = None,
+    rewards: list[RewardConfig] | None = None,
+    baseline_cache: Path | None = None,
+) -> ProbeReport:
+    """Probe the checkpoint at `checkpoint_uri` (local path or s3://) with ProbeConfig `cfg` (see the module
+    docstring). `model_cfg` is the base model to load (default: the one the manifest names); `data` and `rewards`
+    default to those the checkpoint was trained with; `baseline_cache` is where baselines are kept."""
     started = time.perf_counter()
-    prompts = load_probe_prompts(cfg.prompts_file)
-    local = fetch(str(checkpoint_uri), Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE)
-
-    # 1. the manifest and every file's hash
-    try:
-        manifest = verify_checkpoint(local)
-    except CheckpointError as e:
-        raise ProbeError(f"cannot probe {checkpoint_uri}: {e}. A checkpoint saved mid-write or altered afterwards cannot be "
-                         "trusted; probe an earlier complete checkpoint") from None
-    if model_cfg is None:
-        model_cfg = model_config_from_manifest(manifest)
+    cache_dir = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE
+    checkpoint = _open(checkpoint_uri, cache_dir)
+    trained_data, trained_rewards = trained_sections(checkpoint)
+    data, rewards = data or trained_data, rewards if rewards is not None else trained_rewards
+    prompts, prompt_source = choose_prompts(cfg, data)
+    model_cfg = model_cfg or model_config_from_manifest(checkpoint.manifest)
     lora_cfg = lora_cfg or LoraConfig()
-    full_model = manifest.get("weights") == "model"
+    identity = model_identity(model_cfg)
+    checks = {
+        "base_model": _check_base_model(checkpoint.manifest, model_cfg, identity),
+        "adapter_config": _check_adapter_config(checkpoint.path, checkpoint.manifest),
+    }
+    model, tokenizer, checks["tokenizer"] = _load_fresh(
+        checkpoint, checkpoint_uri, model_cfg, lora_cfg, checks, prompts, data
+    )
+    device = next(model.parameters()).device
+    checks["parity"], parity_diff = _check_parity(
+        model, tokenizer, device, checkpoint.fingerprint, cfg.parity_tolerance
+    )
+    rendered = [render_prompt(tokenizer, p["prompt"], data) for p in prompts]
+    groups = _sample(model, tokenizer, device, rendered, cfg)
+    baseline = None
+    if cfg.compare_to_base:
+        where = (cache_dir, Path(baseline_cache) if baseline_cache is not None else DEFAULT_BASELINE_CACHE)
+        loaded = (model, tokenizer, device)
+        baseline = _baseline(checkpoint, *loaded, model_cfg, lora_cfg, identity, rendered, cfg, *where)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    tag = format_tag_for(cfg, rewards)
+    expected = _expected_lengths(prompts, cfg, baseline.groups if baseline else None)
+    samples, per_prompt = _classify(prompts, groups, expected, tag, cfg)
+    settings = _settings(cfg, tag, prompt_source, data, device)
+    summary = _baseline_summary(baseline, prompts, expected, tag, cfg, samples) if baseline else None
+    found = (checks, parity_diff, samples, per_prompt, summary, settings)
+    return _report(checkpoint_uri, checkpoint, model_cfg, cfg, *found, time.perf_counter() - started)
 
-    # 2. identity checks from the manifest
-    checks: dict[str, dict] = {}
-    ok, detail = _check_base_model(manifest, model_cfg)
-    checks["base_model"] = {"ok": ok, "detail": detail}
-    ok, detail = _check_adapter_config(local, manifest)
-    checks["adapter_config"] = {"ok": ok, "detail": detail}
 
-    # 3. a fresh model from the artifact, on a base model that exists here
+def _settings(cfg, tag: str | None, prompt_source: str, data: DataConfig | None, device) -> dict:
+    """What the probe ran with, as the report records it."""
+    return {
+        "n": cfg.n,
+        "temperature": cfg.temperature,
+        "max_tokens": cfg.max_tokens,
+        "seed": cfg.seed,
+        "format_tag": tag,
+        "expected_length": cfg.expected_length,
+        "length_factor": cfg.length_factor,
+        "max_malformed_rate": cfg.max_malformed_rate,
+        "max_malformed_increase": cfg.max_malformed_increase,
+        "significance": cfg.significance,
+        "prompts": prompt_source,
+        "system_prompt": data.system_prompt if data else None,
+        "prompt_template": data.prompt_template if data else None,
+        "engine": "hf",
+        "device": str(device),
+    }
+
+
+def _open(checkpoint_uri: str, cache_dir: Path) -> Checkpoint:
     try:
-        load_tokenizer(ensure_model(model_cfg))
+        return fetch_checkpoint(str(checkpoint_uri), cache_dir)
+    except CheckpointError as e:
+        raise ProbeError(
+            f"cannot probe {checkpoint_uri}: {e}. A checkpoint saved mid-write or altered afterwards "
+            "cannot be trusted; probe an earlier complete checkpoint"
+        ) from None
+
+
+def _load_fresh(
+    checkpoint: Checkpoint,
+    uri: str,
+    model_cfg: ModelConfig,
+    lora_cfg: LoraConfig,
+    checks: dict,
+    prompts: list[dict],
+    data: DataConfig | None,
+):
+    """(model, tokenizer, tokenizer check): the artifact loaded into a new model, on a base model that exists here."""
+    try:
+        base_tokenizer = load_tokenizer(ensure_model(model_cfg))
     except (OSError, ValueError) as e:
-        raise ProbeError(f"cannot probe {checkpoint_uri}: its base model cannot be loaded here ({e}); give the base model "
-                         "the run trained on with --base or model.name_or_path") from None
+        raise ProbeError(
+            f"cannot probe {uri}: its base model cannot be loaded here ({e}); give the base model "
+            "the run trained on with --base or model.name_or_path"
+        ) from None
     try:
-        if full_model:
-            model, base_tokenizer = _load_full_model(local / "model", model_cfg)
-        else:
-            model, base_tokenizer = load_policy(model_cfg, lora_cfg.model_copy(update={"enabled": True}),
-                                                adapter_path=str(local / "adapter"), trainable=False)
+        model, _ = checkpoint.load_policy(model_cfg, lora_cfg)
     except Exception as e:
         cause = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:400]}"
         if "safetensor" in type(e).__name__.lower() or "header" in str(e).lower():
-            raise ProbeError(f"cannot load {checkpoint_uri}: its weights file is unreadable ({cause}); it was written only "
-                             "partly (saved mid-write, with a manifest computed over the partial file) or corrupted — "
-                             "probe an earlier complete checkpoint and fix the saver") from e
-        hints = [c["detail"] for c in (checks["adapter_config"], checks["base_model"]) if not c["ok"]]
-        raise ProbeError(f"cannot load {checkpoint_uri} onto base model {model_cfg.name_or_path!r} ({cause}): the saved weights "
-                         "do not fit their adapter config or the base model" + "".join(f"; {h}" for h in hints) +
-                         ("" if hints else "; check the base model and adapter/adapter_config.json")) from e
-    device = next(model.parameters()).device
-    tokenizer = base_tokenizer
-    if (local / "tokenizer").is_dir():
-        try:
-            tokenizer = _load_tokenizer_dir(local / "tokenizer")
-        except Exception as e:
-            raise ProbeError(f"cannot load the tokenizer saved in {checkpoint_uri}/tokenizer: {type(e).__name__}: {e}; "
-                             "the checkpoint's tokenizer files are corrupt — restore them from the run") from e
-        ok, detail = _check_tokenizer(tokenizer, base_tokenizer, prompts)
-    else:
-        ok, detail = True, "the checkpoint has no tokenizer/; sampled with the base model's tokenizer"
-    checks["tokenizer"] = {"ok": ok, "detail": detail}
+            raise ProbeError(
+                f"cannot load {uri}: its weights file is unreadable ({cause}); it was written only "
+                "partly (saved mid-write, with a manifest computed over the partial file) or corrupted — "
+                "probe an earlier complete checkpoint and fix the saver"
+            ) from e
+        hints = [c.detail for c in (checks["adapter_config"], checks["base_model"]) if not c.ok]
+        raise ProbeError(
+            f"cannot load {uri} onto base model {model_cfg.name_or_path!r} ({cause}): the saved weights "
+            "do not fit their adapter config or the base model"
+            + "".join(f"; {h}" for h in hints)
+            + ("" if hints else "; check the base model and adapter/adapter_config.json")
+        ) from e
+    if not checkpoint.tokenizer_dir.is_dir():
+        return model, base_tokenizer, Check(True, "the checkpoint has no tokenizer/; sampled with the base model's")
+    try:
+        tokenizer = _load_tokenizer_dir(checkpoint.tokenizer_dir)
+    except Exception as e:
+        raise ProbeError(
+            f"cannot load the tokenizer saved in {uri}/tokenizer: {type(e).__name__}: {e}; "
+            "the checkpoint's tokenizer files are corrupt — restore them from the run"
+        ) from e
+    return model, tokenizer, _check_tokenizer(tokenizer, base_tokenizer, prompts, data)
 
-    # 4. parity: teacher-forced logprobs of the reloaded artifact vs those recorded at save time
-    fingerprint = manifest.get("fingerprint")
-    parity_diff: Optional[float] = None
-    parity_ok = False
+
+def _check_parity(model, tokenizer, device, fingerprint: dict | None, tolerance: float) -> tuple[Check, float | None]:
+    """Teacher-forced logprobs of the reloaded artifact against those recorded at save time."""
     if not fingerprint:
-        detail = ("parity not checked: the manifest has no logprob fingerprint (written by an older or foreign saver), so "
-                  "nothing proves the reloaded artifact is the model that was trained; re-save it with Ballast")
-    else:
-        try:
-            parity_diff = compare_fingerprint(model, tokenizer, device, fingerprint)
-        except (IndexError, RuntimeError, ValueError) as e:  # e.g. token ids beyond a wrong base model's vocabulary
-            detail = (f"parity failed: the reloaded artifact cannot be teacher-forced on the manifest's fingerprint "
-                      f"({type(e).__name__}: {str(e).strip()[:200]}): it is not the model that was saved — check the base model")
-        else:
-            parity_ok = parity_diff <= cfg.parity_tolerance
-            detail = (f"max |logprob diff| {parity_diff:.3g} <= {cfg.parity_tolerance:g}" if parity_ok else
-                      f"parity failed: the reloaded artifact's teacher-forced logprobs on the manifest's fingerprint differ "
-                      f"from those recorded at save time by up to {parity_diff:.3g} (tolerance {cfg.parity_tolerance:g}): "
-                      "the model loaded from the artifact is not the model that was saved — adapter weights rescaled, "
-                      "adapter applied twice or merged, LoRA alpha/r changed, or another base model; do not ship it, "
-                      "find the step that changed the weights between training and saving")
-    checks["parity"] = {"ok": parity_ok, "detail": detail}
+        return Check(
+            False,
+            "parity not checked: the manifest has no logprob fingerprint (written by an older or "
+            "foreign saver), so nothing proves the reloaded artifact is the model that was trained; "
+            "re-save it with Ballast",
+        ), None
+    try:
+        diff = compare_fingerprint(model, tokenizer, device, fingerprint)
+    except (IndexError, RuntimeError, ValueError) as e:  # e.g. token ids beyond a wrong base model's vocabulary
+        return Check(
+            False,
+            f"parity failed: the reloaded artifact cannot be teacher-forced on the manifest's "
+            f"fingerprint ({type(e).__name__}: {str(e).strip()[:200]}): it is not the model that was "
+            "saved — check the base model",
+        ), None
+    if diff <= tolerance:
+        return Check(True, f"max |logprob diff| {diff:.3g} <= {tolerance:g}"), diff
+    return Check(
+        False,
+        f"parity failed: the reloaded artifact's teacher-forced logprobs on the manifest's fingerprint "
+        f"differ from those recorded at save time by up to {diff:.3g} (tolerance {tolerance:g}): the "
+        "model loaded from the artifact is not the model that was saved — adapter weights rescaled, "
+        "adapter applied twice or merged, LoRA alpha/r changed, or another base model; do not ship "
+        "it, find the step that changed the weights between training and saving",
+    ), diff
 
-    # 5. sample every prompt n times in one batch, classify every completion
+
+# ── sampling, the baseline, classification ─────────────────────────────────────────────────────────
+
+
+@dataclass
+class Generated:
+    """One sampled completion, as much of it as classification needs (and a cached baseline keeps)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+
+
+def _sample(model, tokenizer, device, rendered: list[list[int]], cfg) -> list[list[Generated]]:
+    """Every rendered prompt sampled cfg.n times in one seeded batch."""
     params = SamplingParams(n=cfg.n, max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=cfg.seed)
-    prompt_ids = [render_prompt(tokenizer, p["prompt"]) for p in prompts]
-    groups = HFEngine(model, tokenizer, device).generate(prompt_ids, params)
+    groups = HFEngine(model, tokenizer, device).generate(rendered, params)
+    return [[Generated(c.text, list(c.token_ids), c.finish_reason) for c in group] for group in groups]
+
+
+@dataclass
+class _Baseline:
+    who: str  # 'base model <name>' | 'fork parent <uri> (step N)'
+    groups: list[list[Generated]]
+    cached: bool
+    note: str | None
+
+
+def _baseline(
+    checkpoint: Checkpoint,
+    model,
+    tokenizer,
+    device,
+    model_cfg: ModelConfig,
+    lora_cfg: LoraConfig,
+    identity: dict,
+    rendered: list[list[int]],
+    cfg,
+    cache_dir: Path,
+    baseline_cache: Path,
+) -> _Baseline:
+    """The starting point's completions on the same prompts with the same settings: the fork's parent checkpoint,
+    else the base model; from the cache when it holds them, else sampled and cached."""
+    parent, note = None, None
+    parent_uri = (checkpoint.manifest.get("lineage") or {}).get("fork_checkpoint")
+    if parent_uri:
+        try:
+            parent = fetch_checkpoint(str(parent_uri), cache_dir)
+        except (CheckpointError, OSError, ValueError) as e:
+            note = f"the fork's parent {parent_uri} could not be read ({e}); compared with the base model instead"
+    if parent is not None:
+        who = f"fork parent {parent_uri} (step {parent.step})"
+        whose = {"base": identity, "parent_files": _digest(parent.manifest.get("files"))}
+    else:
+        who, whose = f"base model {model_cfg.name_or_path}", {"base": identity}
+    settings = {
+        "n": cfg.n,
+        "max_tokens": cfg.max_tokens,
+        "temperature": cfg.temperature,
+        "seed": cfg.seed,
+        "device": device.type,
+        "dtype": str(next(model.parameters()).dtype),
+        "engine": "hf",
+    }
+    key = _digest({"version": BASELINE_CACHE_VERSION, "model": whose, "prompts": rendered, "settings": settings})
+    path = baseline_cache / f"{key[:32]}.json"
+    if path.is_file():
+        try:
+            stored = json.loads(path.read_text())
+            return _Baseline(who, [[Generated(**g) for g in group] for group in stored["groups"]], True, note)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # an unreadable cache entry is sampled again and replaced
+    groups = _sample_baseline(checkpoint, parent, model, tokenizer, device, model_cfg, lora_cfg, rendered, cfg)
+    baseline_cache.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(
+        json.dumps(
+            {
+                "who": who,
+                "model": whose,
+                "settings": settings,
+                "groups": [[asdict(g) for g in group] for group in groups],
+            }
+        )
+    )
+    os.replace(tmp, path)
+    return _Baseline(who, groups, False, note)
+
+
+def _sample_baseline(
+    checkpoint: Checkpoint,
+    parent: Checkpoint | None,
+    model,
+    tokenizer,
+    device,
+    model_cfg: ModelConfig,
+    lora_cfg: LoraConfig,
+    rendered,
+    cfg,
+) -> list[list[Generated]]:
+    if parent is None and checkpoint.adapter_dir is not None and hasattr(model, "disable_adapter"):
+        with model.disable_adapter():  # the base model itself, without a second load
+            return _sample(model, tokenizer, device, rendered, cfg)
+    if parent is not None:
+        start, _ = parent.load_policy(model_cfg, lora_cfg)
+    else:
+        start, _ = load_policy(model_cfg, lora_cfg.model_copy(update={"enabled": False}), trainable=False)
+    try:
+        return _sample(start, tokenizer, device, rendered, cfg)
+    finally:
+        del start
+
+
+def _digest(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def _expected_lengths(prompts: list[dict], cfg, base_groups) -> list[int | None]:
+    """Per prompt, the characters a normal answer takes ('too_long' beyond length_factor x): the prompt file's
+    expected_length, else probe.expected_length, else the baseline's median length on that prompt."""
+    out = []
+    for i, p in enumerate(prompts):
+        median = statistics.median(len(g.text) for g in base_groups[i]) if base_groups else None
+        out.append(
+            p["expected_length"] or cfg.expected_length or (max(1, round(median)) if median is not None else None)
+        )
+    return out
+
+
+def _classify(
+    prompts: list[dict], groups: list[list[Generated]], expected: list[int | None], tag: str | None, cfg
+) -> tuple[list[ProbeSample], list[PromptResult]]:
     samples, per_prompt = [], []
     for i, (p, group) in enumerate(zip(prompts, groups)):
-        expected = p["expected_length"] or cfg.expected_length or (len(p["answer"]) if p["answer"] else None)
         counts: Counter = Counter()
-        n_bad = 0
-        for j, c in enumerate(group):
-            reasons = classify(c.text, c.token_ids, c.finish_reason, cfg.max_tokens, format_tag=cfg.format_tag,
-                               expected_length=expected, length_factor=cfg.length_factor)
+        mine = []
+        for j, g in enumerate(group):
+            reasons = classify(
+                g.text,
+                g.token_ids,
+                g.finish_reason,
+                cfg.max_tokens,
+                format_tag=tag,
+                expected_length=expected[i],
+                length_factor=cfg.length_factor,
+            )
             counts.update(reason_code(r) for r in reasons)
-            n_bad += bool(reasons)
-            samples.append({"prompt_index": i, "prompt": p["prompt"], "sample": j, "text": c.text, "reasons": reasons,
-                            "malformed": bool(reasons), "n_tokens": len(c.token_ids), "finish_reason": c.finish_reason})
-        per_prompt.append({"index": i, "prompt": p["prompt"], "answer": p["answer"], "expected_length": expected,
-                           "n_samples": len(group), "n_malformed": n_bad, "malformed_rate": n_bad / len(group),
-                           "reason_counts": {r: counts.get(r, 0) for r in REASONS},
-                           "mean_tokens": sum(len(c.token_ids) for c in group) / len(group)})
-    del model, groups
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+            mine.append(
+                ProbeSample(i, p["prompt"], j, g.text, reasons, bool(reasons), len(g.token_ids), g.finish_reason)
+            )
+        bad = sum(s.malformed for s in mine)
+        samples += mine
+        per_prompt.append(
+            PromptResult(
+                i,
+                p["prompt"],
+                p["answer"],
+                expected[i],
+                len(group),
+                bad,
+                bad / len(group),
+                {r: counts.get(r, 0) for r in REASONS},
+                sum(len(g.token_ids) for g in group) / len(group),
+            )
+        )
+    return samples, per_prompt
 
-    n = len(samples)
-    n_bad = sum(s["malformed"] for s in samples)
-    rate = n_bad / n
-    ci = wilson_interval(n_bad, n)
-    reason_counts = {r: sum(pp["reason_counts"][r] for pp in per_prompt) for r in REASONS}
 
-    failures = [c["detail"] for name, c in checks.items() if not c["ok"]]
+def _baseline_summary(baseline: _Baseline, prompts, expected, tag, cfg, samples: list[ProbeSample]) -> Baseline:
+    base_samples, base_prompts = _classify(prompts, baseline.groups, expected, tag, cfg)
+    n, bad = len(base_samples), sum(s.malformed for s in base_samples)
+    ours = sum(s.malformed for s in samples)
+    return Baseline(
+        model=baseline.who,
+        n_samples=n,
+        n_malformed=bad,
+        malformed_rate=bad / n,
+        malformed_ci=wilson_interval(bad, n),
+        reason_counts={r: sum(p.reason_counts[r] for p in base_prompts) for r in REASONS},
+        per_prompt_malformed=[p.n_malformed for p in base_prompts],
+        per_prompt_mean_tokens=[p.mean_tokens for p in base_prompts],
+        p_value=excess_p_value(ours, len(samples), bad, n),
+        cached=baseline.cached,
+        note=baseline.note,
+        samples=base_samples,
+    )
+
+
+def _report(
+    uri,
+    checkpoint: Checkpoint,
+    model_cfg,
+    cfg,
+    checks: dict,
+    parity_diff,
+    samples,
+    per_prompt,
+    baseline: Baseline | None,
+    settings: dict,
+    seconds: float,
+) -> ProbeReport:
+    n, bad = len(samples), sum(s.malformed for s in samples)
+    rate, ci = bad / n, wilson_interval(bad, n)
+    reason_counts = {r: sum(p.reason_counts[r] for p in per_prompt) for r in REASONS}
+    failures = _failures(checks, bad, n, ci, reason_counts, baseline, cfg)
+    return ProbeReport(
+        checkpoint=str(uri),
+        local_path=str(checkpoint.path),
+        step=checkpoint.step,
+        base_model=model_cfg.name_or_path,
+        trained_on=checkpoint.base_model.get("name_or_path"),
+        code_ref=checkpoint.code_ref,
+        created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        seconds=round(seconds, 3),
+        n_prompts=len(per_prompt),
+        n_samples=n,
+        n_malformed=bad,
+        malformed_rate=rate,
+        malformed_ci=ci,
+        reason_counts=reason_counts,
+        parity_ok=checks["parity"].ok,
+        parity_max_diff=parity_diff,
+        parity_tolerance=cfg.parity_tolerance,
+        checks=checks,
+        failures=failures,
+        per_prompt=per_prompt,
+        samples=samples,
+        settings=settings,
+        baseline=baseline,
+    )
+
+
+def _failures(checks: dict, bad: int, n: int, ci: list[float], reason_counts: dict, baseline, cfg) -> list[str]:
+    """Why the probe fails: the checks that did not pass, the absolute cap, the significant excess over the
+    baseline; [] when it passes."""
+    rate = bad / n
+    common = ", ".join(f"{r} {k}" for r, k in sorted(reason_counts.items(), key=lambda kv: -kv[1]) if k) or "none"
+    versus = f" vs {baseline.malformed_rate:.1%} for the {baseline.model}" if baseline else ""
+    failures = [c.detail for c in checks.values() if not c.ok]
     if rate > cfg.max_malformed_rate:
-        common = ", ".join(f"{r} {k}" for r, k in sorted(reason_counts.items(), key=lambda kv: -kv[1]) if k)
-        failures.append(f"malformed rate {n_bad}/{n} = {rate:.1%} (95% CI {ci[0]:.1%}-{ci[1]:.1%}) exceeds "
-                        f"probe.max_malformed_rate={cfg.max_malformed_rate:g}; reasons: {common}; read the samples in the report")
-
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "kind": REPORT_KIND,
-        "checkpoint": str(checkpoint_uri),
-        "local_path": str(local),
-        "step": manifest.get("step"),
-        "base_model": model_cfg.name_or_path,
-        "trained_on": (manifest.get("base_model") or {}).get("name_or_path"),
-        "code_ref": manifest.get("code_ref"),
-        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "seconds": round(time.perf_counter() - started, 3),
-        "n_prompts": len(prompts),
-        "n_samples": n,
-        "n_malformed": n_bad,
-        "malformed_rate": rate,
-        "malformed_ci": ci,
-        "ci_level": CI_LEVEL,
-        "reason_counts": reason_counts,
-        "parity_ok": parity_ok,
-        "parity_max_diff": parity_diff,
-        "parity_tolerance": cfg.parity_tolerance,
-        "checks": checks,
-        "passed": not failures,
-        "failures": failures,
-        "per_prompt": per_prompt,
-        "samples": samples,
-        "settings": {"n": cfg.n, "temperature": cfg.temperature, "max_tokens": cfg.max_tokens, "format_tag": cfg.format_tag,
-                     "expected_length": cfg.expected_length, "length_factor": cfg.length_factor,
-                     "max_malformed_rate": cfg.max_malformed_rate, "seed": cfg.seed,
-                     "prompts_file": str(cfg.prompts_file or DEFAULT_PROMPTS), "engine": engine, "device": str(device)},
-    }
-
-
-# ── reading a report ───────────────────────────────────────────────────────────────────────────────
-
-def summary_lines(report: dict) -> list[str]:
-    """A few lines for a terminal: verdict, totals, reasons, per prompt, failures."""
-    lo, hi = report["malformed_ci"]
-    diff = report.get("parity_max_diff")
-    lines = [
-        f"probe {'PASSED' if report['passed'] else 'FAILED'}: {report['checkpoint']} (step {report.get('step')})",
-        f"  malformed {report['n_malformed']}/{report['n_samples']} = {report['malformed_rate']:.1%} "
-        f"(95% CI {lo:.1%}-{hi:.1%}; threshold {report['settings']['max_malformed_rate']:g})",
-        f"  parity {'ok' if report['parity_ok'] else 'FAILED'}: max |logprob diff| "
-        f"{'n/a' if diff is None else f'{diff:.3g}'} (tolerance {report['parity_tolerance']:g})",
-        "  reasons: " + (", ".join(f"{r} {k}" for r, k in report["reason_counts"].items() if k) or "none"),
-    ]
-    for p in report["per_prompt"]:
-        lines.append(f"  prompt {p['index']}: {p['n_malformed']}/{p['n_samples']} malformed  {p['prompt'][:60]!r}")
-    lines += [f"  FAILURE: {f}" for f in report["failures"]]
-    return lines
-
-
-def write_probe_html(report: dict, path: str | Path) -> Path:
-    """One self-contained, readable HTML page: verdict banner, totals, interval, reasons, per prompt, every sample."""
-    e = lambda x: html.escape(str(x))  # noqa: E731
-    lo, hi = report["malformed_ci"]
-    passed = report["passed"]
-    diff = report.get("parity_max_diff")
-    banner = (f"<div class='banner {'pass' if passed else 'fail'}'>{'PASSED' if passed else 'FAILED'} — "
-              f"{report['n_malformed']} of {report['n_samples']} samples malformed ({report['malformed_rate']:.1%}), "
-              f"parity {'ok' if report['parity_ok'] else 'FAILED'}</div>")
-    failures = "".join(f"<li>{e(f)}</li>" for f in report["failures"])
-    totals = {
-        "checkpoint": report["checkpoint"], "step": report.get("step"), "base model": report["base_model"],
-        "trained on": report.get("trained_on"), "code ref": json.dumps(report.get("code_ref")),
-        "samples": f"{report['n_samples']} ({report['n_prompts']} prompts x {report['settings']['n']})",
-        "malformed": f"{report['n_malformed']} = {report['malformed_rate']:.1%}",
-        f"{report.get('ci_level', CI_LEVEL):.0%} Wilson interval": f"{lo:.1%} – {hi:.1%}",
-        "threshold": f"{report['settings']['max_malformed_rate']:g}",
-        "parity": f"{'ok' if report['parity_ok'] else 'FAILED'}: max |logprob diff| {'n/a' if diff is None else f'{diff:.3g}'} "
-                  f"(tolerance {report['parity_tolerance']:g})",
-        "settings": ", ".join(f"{k}={v}" for k, v in report["settings"].items()),
-        "probed": f"{report.get('created_at')} in {report.get('seconds')} s",
-    }
-    totals_html = "".join(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in totals.items())
-    checks_html = "".join(f"<tr class='{'ok' if c['ok'] else 'bad'}'><th>{e(name)}</th><td>{'ok' if c['ok'] else 'FAILED'}</td>"
-                          f"<td>{e(c['detail'])}</td></tr>" for name, c in report.get("checks", {}).items())
-    reasons_html = "".join(f"<tr><th>{e(r)}</th><td>{k}</td></tr>" for r, k in report["reason_counts"].items())
-    head = "".join(f"<th>{e(r)}</th>" for r in report["reason_counts"])
-    prompt_rows = "".join(
-        f"<tr><td>{p['index']}</td><td><code>{e(p['prompt'])}</code></td><td>{p['n_malformed']}/{p['n_samples']}</td>"
-        f"<td>{p['mean_tokens']:.1f}</td>" + "".join(f"<td>{p['reason_counts'].get(r, 0)}</td>" for r in report["reason_counts"])
-        + "</tr>" for p in report["per_prompt"])
-    sample_rows = "".join(
-        f"<tr class='{'bad' if s['malformed'] else 'ok'}'><td>{s['prompt_index']}.{s['sample']}</td>"
-        f"<td><code>{e(s['prompt'])}</code></td><td><pre>{e(s['text'])}</pre></td>"
-        f"<td>{'<br>'.join(e(r) for r in s['reasons']) or 'ok'}</td><td>{s['n_tokens']}</td><td>{e(s['finish_reason'])}</td></tr>"
-        for s in report["samples"])
-    page = f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>Probe {e(report['checkpoint'])}</title>
-<style>
-body{{font-family:system-ui,sans-serif;margin:2em;max-width:1300px}}
-table{{border-collapse:collapse;margin:0.5em 0 1.5em}} th,td{{border:1px solid #ccc;padding:4px 8px;text-align:left;vertical-align:top}}
-.banner{{font-size:1.3em;font-weight:bold;padding:0.6em 1em;border-radius:6px;color:#fff}}
-.pass{{background:#2e7d32}} .fail{{background:#c62828}}
-tr.bad td{{background:#fdecea}} pre{{white-space:pre-wrap;word-break:break-all;margin:0;max-width:700px}}
-</style></head><body>
-<h1>Artifact probe</h1>
-{banner}
-{f"<h2>Failures</h2><ul>{failures}</ul>" if failures else ""}
-<h2>Totals</h2><table>{totals_html}</table>
-<h2>Checks</h2><table>{checks_html}</table>
-<h2>Reasons</h2><table>{reasons_html}</table>
-<h2>Per prompt</h2><table><tr><th>#</th><th>prompt</th><th>malformed</th><th>mean tokens</th>{head}</tr>{prompt_rows}</table>
-<h2>Samples</h2><table><tr><th>#</th><th>prompt</th><th>completion</th><th>reasons</th><th>tokens</th><th>finish</th></tr>{sample_rows}</table>
-</body></html>
-"""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(page, encoding="utf-8")
-    return path
+        base_too = (
+            f"; the {baseline.model} is at {baseline.malformed_rate:.1%} itself, so the probe's settings may "
+            "not fit this model (raise probe.max_tokens, or probe.max_malformed_rate)"
+            if baseline and baseline.malformed_rate > cfg.max_malformed_rate
+            else ""
+        )
+        failures.append(
+            f"malformed rate {bad}/{n} = {rate:.1%} (95% CI {ci[0]:.1%}-{ci[1]:.1%}){versus} exceeds "
+            f"probe.max_malformed_rate={cfg.max_malformed_rate:g}; reasons: {common}{base_too}; read the "
+            "samples in the report"
+        )
+    if baseline and rate - baseline.malformed_rate > cfg.max_malformed_increase and baseline.p_value < cfg.significance:
+        failures.append(
+            f"malformed rate {rate:.1%}{versus}: {rate - baseline.malformed_rate:+.1%}, more than "
+            f"probe.max_malformed_increase={cfg.max_malformed_increase:g} (one-sided Fisher exact "
+            f"p={baseline.p_value:.2g} < probe.significance={cfg.significance:g}); reasons: {common}; "
+            "training made the model write malformed text its starting point did not — read the samples "
+            "in the report"
+        )
+    return failures

@@ -3,88 +3,225 @@
 One pydantic schema, loaded from YAML, with `--set key.path=value` overrides (the value is parsed as
 YAML, so `--set grpo.beta=0.1` is a float and `--set lora.enabled=false` a bool). Unknown or invalid
 fields are refused with one line naming the field: `SpecError` (the CLI exits with status 2).
-Secrets never belong in a spec: fields whose names look like credentials are refused, and
-`flat_params` (what lineage logs as MLflow params) redacts anything that slips through.
+Secrets never belong in a spec: fields whose names look like credentials, and URIs with a password
+(`https://user:pass@...`), are refused; `flat_params` (what lineage logs as MLflow params) redacts
+anything that slips through. A YAML file is read strictly (`read_yaml_mapping`, shared with sweep files):
+a key given twice, bytes that are not UTF-8, and `.inf`/`.nan` values are refused, never half-read.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
-from trainer.config import Section, TrainerConfig
+from trainer.config import InputError, ModelConfig, Section, TrainerConfig, is_variable_name  # noqa: F401  (ModelConfig: --base)
+from trainer.data import check_data
+from trainer.health import tag_pattern
+from trainer.rewards import check_rewards
 
 
-class SpecError(ValueError):
+class SpecError(InputError):
     """A spec that cannot be run; the message names the field and the fix."""
 
 
 class ForkConfig(Section):
     """Where the run starts: the base model alone (all None), a run's checkpoint, or a checkpoint URI."""
-    run_id: Optional[str] = Field(None, description="MLflow run id of the pipeline run to fork from.")
-    step: Optional[int] = Field(None, ge=1, description="Step of that run's checkpoint; default its newest.")
-    checkpoint: Optional[str] = Field(None, description="Checkpoint directory: local path or s3://bucket/key.")
-    verify_tolerance: float = Field(1e-4, gt=0, description="Max |logprob difference| against the source's fingerprint.")
+
+    run_id: str | None = Field(None, description="MLflow run id of the pipeline run to fork from.")
+    step: int | None = Field(None, ge=1, description="Step of that run's checkpoint; default its newest.")
+    checkpoint: str | None = Field(None, description="Checkpoint directory: local path or s3://bucket/key.")
+    verify_tolerance: float = Field(
+        1e-4, gt=0, description="Max |logprob difference| against the source's fingerprint."
+    )
 
 
 class ProbeConfig(Section):
-    enabled: bool = True
-    prompts_file: Optional[str] = Field(None, description="Probe prompts (.jsonl or .txt); default: the shipped generic set.")
+    """The artifact probe (tasks/probe.py): a checkpoint's malformed rate, read against its starting point's."""
+
+    enabled: bool = Field(True, description="Probe the final checkpoint after training (False: skip the stage).")
+    prompts_file: str | None = Field(
+        None,
+        description="Probe prompts (.jsonl or .txt); default: the experiment's "
+        "held-out prompts, rendered as training renders them.",
+    )
+    num_prompts: int = Field(
+        8, ge=1, description="Held-out prompts probed (the first ones) when prompts_file is unset."
+    )
     n: int = Field(6, ge=1, description="Samples per probe prompt.")
-    temperature: float = Field(0.7, gt=0)
-    max_tokens: int = Field(64, ge=1)
-    format_tag: Optional[str] = Field("output", description="Completions must be wrapped in <tag>...</tag>; None disables the check.")
-    expected_length: Optional[int] = Field(None, ge=1, description="Characters a good answer takes ('too_long' beyond length_factor x), "
-                                                                  "for prompts without their own expected_length; unset: the length of a prompt's answer.")
+    temperature: float = Field(0.7, gt=0, description="Sampling temperature of the probe.")
+    max_tokens: int = Field(64, ge=1, description="Longest probe completion, in tokens (length_cap beyond).")
+    format_tag: str | Literal[False] | None = Field(
+        None,
+        description="Completions must hold <tag>...</tag>. Unset: the tag the experiment's rewards require "
+        "(exact_answer, tag_answer, format, or a reward's `tag` kwarg), no check when they require "
+        "none; false: never check.",
+    )
+    expected_length: int | None = Field(
+        None,
+        ge=1,
+        description="Characters a good answer takes ('too_long' beyond "
+        "length_factor x), for prompts without their own; unset: the baseline's "
+        "median length on the same prompt.",
+    )
     length_factor: float = Field(3.0, gt=1, description="'too_long' fires beyond this many times the expected length.")
-    max_malformed_rate: float = Field(0.25, ge=0, le=1, description="The probe fails above this malformed rate.")
-    parity_tolerance: float = Field(1e-3, gt=0, description="Max |logprob difference| between the reloaded artifact and save time.")
+    compare_to_base: bool = Field(
+        True,
+        description="Also probe the starting point — the fork's parent, else the base "
+        "model — on the same prompts with the same settings (cached), and read the verdict "
+        "and the length limits against it.",
+    )
+    max_malformed_increase: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="The probe fails when its malformed rate "
+        "exceeds the baseline's by more than this, significantly (significance).",
+    )
+    significance: float = Field(
+        0.05, gt=0, lt=1, description="Level of the one-sided Fisher exact test of that increase."
+    )
+    max_malformed_rate: float = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description="Absolute cap: the probe fails above this malformed rate, whatever the baseline's.",
+    )
+    parity_tolerance: float = Field(
+        1e-3, gt=0, description="Max |logprob difference| between the reloaded artifact and save time."
+    )
     every_checkpoint: bool = Field(False, description="Probe every saved checkpoint, not only the final one.")
-    seed: int = 0
+    seed: int = Field(0, description="Probe sampling seed (the same samples for the same artifact).")
+
+    @field_validator("format_tag")
+    @classmethod
+    def _tag_name(cls, tag):
+        if isinstance(tag, str):
+            tag_pattern(tag)  # raises ValueError naming the tag and the allowed characters
+        return tag
 
 
 class TrackingConfig(Section):
-    uri: Optional[str] = Field(None, description="MLflow tracking URI; default sqlite under the project folder. "
-                                                 "postgresql://... for a team server.")
-    experiment: str = "ballast"
-    log_every: int = Field(1, ge=1, description="Log every this many steps' metrics to MLflow (eval steps always); metrics.jsonl "
-                                                 "has every step. Sent from a background thread in batches, every ~2 s.")
+    uri: str | None = Field(
+        None,
+        description="MLflow tracking URI; default sqlite under the project folder. postgresql://... for a team server.",
+    )
+    experiment: str = Field("ballast", description="MLflow experiment the runs go to (created on first use).")
+    log_every: int = Field(
+        1,
+        ge=1,
+        description="Log every this many steps' metrics to MLflow (eval steps always); metrics.jsonl "
+        "has every step. Sent from a background thread in batches, every ~2 s.",
+    )
+    ui_url: str | None = Field(
+        None,
+        description="The MLflow UI that printed and page links point at; default: the "
+        "tracking server for an http(s) tracking.uri, else http://127.0.0.1:5000 "
+        "(where `ballast ui` serves the embedded store).",
+    )
+    start_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=300,
+        description="An http(s) tracking server must answer /health "
+        "within this many seconds at start, or the run fails before anything is created.",
+    )
+    request_timeout_s: int = Field(
+        10,
+        ge=1,
+        le=600,
+        description="Whole seconds one request to an http(s) tracking "
+        "server may take (MLFLOW_HTTP_REQUEST_TIMEOUT; MLflow's default is 120).",
+    )
+    request_retries: int = Field(
+        2,
+        ge=0,
+        le=10,
+        description="Retries of a failed request to the tracking server "
+        "(MLFLOW_HTTP_REQUEST_MAX_RETRIES; MLflow's default of 7 waits over four minutes "
+        "for a server that is not there). Step metrics that still fail wait on disk.",
+    )
+    request_backoff_s: int = Field(
+        1,
+        ge=0,
+        le=120,
+        description="Backoff factor between those retries, whole "
+        "seconds (MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR: waits of 0, 2x, 4x ... seconds).",
+    )
 
 
 class StorageConfig(Section):
-    uri: Optional[str] = Field(None, description="Artifact store root: a local directory (default <project>/artifacts) or s3://bucket/prefix.")
+    uri: str | None = Field(
+        None, description="Artifact store root: a local directory (default <project>/artifacts) or s3://bucket/prefix."
+    )
 
 
 class InfraConfig(Section):
     """SkyPilot resources for `ballast launch` (infra/skypilot.py); unused when running on this machine."""
-    accelerators: Optional[str] = Field(None, description="e.g. 'H200:2' (with rollout.engine: vllm, trainer on GPU 0, vLLM on GPU 1).")
-    cloud: Optional[str] = Field(None, description="SkyPilot infra: 'k8s', 'aws', 'gcp', 'aws/us-east-1', ...; default: the cheapest enabled.")
-    cpus: Optional[str] = Field(None, description="e.g. '8', '16+'.")
-    memory: Optional[str] = Field(None, description="GB, e.g. '64+'.")
-    num_nodes: int = Field(1, ge=1)
-    use_spot: bool = False
-    env: list[str] = Field(default_factory=list, description="Names of environment variables (HF_TOKEN, AWS_ACCESS_KEY_ID, ...) whose "
-                                                          "values are read at launch and passed to the node as SkyPilot secrets; never stored.")
+
+    accelerators: str | None = Field(
+        None, description="e.g. 'H200:2' (with rollout.engine: vllm, trainer on GPU 0, vLLM on GPU 1)."
+    )
+    cloud: str | None = Field(
+        None, description="SkyPilot infra: 'k8s', 'aws', 'gcp', 'aws/us-east-1', ...; default: the cheapest enabled."
+    )
+    cpus: str | None = Field(None, description="e.g. '8', '16+'.")
+    memory: str | None = Field(None, description="GB, e.g. '64+'.")
+    num_nodes: int = Field(1, ge=1, description="Nodes SkyPilot provisions.")
+    use_spot: bool = Field(
+        False, description="Spot (preemptible) instances; a preempted run resumes from its checkpoints."
+    )
+    env: list[str] = Field(
+        default_factory=list,
+        description="Names of environment variables (HF_TOKEN, AWS_ACCESS_KEY_ID, ...) whose "
+        "values are read at launch and passed to the node as SkyPilot secrets; never stored.",
+    )
 
 
 class ExperimentSpec(TrainerConfig):
     name: str = Field("experiment", description="Run name in MLflow and Prefect.")
-    project_dir: str = Field(".ballast", description="Where embedded stores live: MLflow SQLite, artifacts, run outputs.")
-    fork: ForkConfig = Field(default_factory=ForkConfig)
-    probe: ProbeConfig = Field(default_factory=ProbeConfig)
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
-    storage: StorageConfig = Field(default_factory=StorageConfig)
-    infra: InfraConfig = Field(default_factory=InfraConfig)
+    project_dir: str = Field(
+        ".ballast", description="Where embedded stores live: MLflow SQLite, artifacts, run outputs."
+    )
+    fork: ForkConfig = Field(
+        default_factory=ForkConfig, description="Where the run starts: the base model or a verified checkpoint."
+    )
+    probe: ProbeConfig = Field(default_factory=ProbeConfig, description="The artifact probe of saved checkpoints.")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow: where runs are recorded.")
+    storage: StorageConfig = Field(default_factory=StorageConfig, description="Where checkpoints are stored.")
+    infra: InfraConfig = Field(default_factory=InfraConfig, description="GPU nodes for `ballast launch` (SkyPilot).")
+
+    @field_validator("name")
+    @classmethod
+    def _one_path_part(cls, name: str) -> str:
+        # `ballast train` writes to <project_dir>/runs/<name>: '..' or 'a/b' would write somewhere else
+        if not name.strip() or name in (".", "..") or any(c in name for c in "/\\"):
+            raise ValueError(
+                "a run's name is one directory name (not empty, '.' or '..', no '/' or '\\'); e.g. quickstart-lr3e-4"
+            )
+        return name
 
     def trainer_config(self) -> TrainerConfig:
         return TrainerConfig(**{k: getattr(self, k) for k in TrainerConfig.model_fields})
 
 
-SECRET_WORDS = ("token", "password", "secret", "api_key", "apikey", "access_key", "secret_key", "private_key", "credentials")
+SECRET_WORDS = (
+    "token",
+    "password",
+    "secret",
+    "api_key",
+    "apikey",
+    "access_key",
+    "secret_key",
+    "private_key",
+    "credentials",
+)
 
 
 def looks_secret(key: str) -> bool:
@@ -98,38 +235,122 @@ def load_spec(source: str | Path | dict, overrides: list[str] = ()) -> Experimen
     if isinstance(source, dict):
         data, where = json.loads(json.dumps(source)), "spec"
     else:
-        path = Path(source)
-        if not path.is_file():
-            raise SpecError(f"spec file {path} does not exist; pass the path of an experiment YAML (see examples/)")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise SpecError(f"spec file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
-        if not isinstance(data, dict):
-            raise SpecError(f"spec file {path} must hold a mapping of sections (model:, grpo:, ...)")
-        where = str(path)
+        data = read_yaml_mapping(
+            source, "spec file", "an experiment YAML (see examples/)", "a mapping of sections (model:, grpo:, ...)"
+        )
+        where = str(source)
     for item in overrides:
         set_path(data, item)
-    return validate_spec(data, where)
+    try:
+        return validate_spec(data, where, spec_dir=None if isinstance(source, dict) else Path(source).parent)
+    except SpecError as e:
+        raise _blame_override(e, where, overrides) from None
 
 
-def validate_spec(data: dict, where: str = "spec") -> ExperimentSpec:
+def _blame_override(error: SpecError, where: str, overrides) -> SpecError:
+    """A problem in a field a --set gave is the --set's, not the spec file's: the message names the --set."""
+    message = str(error)
+    named = re.search(r"field '([^']+)'", message)
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if named and (named.group(1) == key or named.group(1).startswith(key + ".")):
+            return SpecError(f"--set {item}: " + message.removeprefix(f"{where}: "))
+        if re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", message):  # a check across fields names it
+            return SpecError(f"{message} (given with --set {item})")
+    return error
+
+
+def validate_spec(data: dict, where: str = "spec", spec_dir: Path | None = None) -> ExperimentSpec:
+    """The spec, its reward functions (imported from `spec_dir` or the working directory) and its data files
+    checked — all before torch or a model loads; any problem is a SpecError naming the field or file:line."""
     _refuse_secrets(data, where)
     try:
-        return ExperimentSpec.model_validate(data)
+        spec = ExperimentSpec.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        if err["type"] == "extra_forbidden":
-            msg = f"unknown field '{field}'; check the spelling against the spec reference (ballast spec-schema)"
-        elif err["type"] == "missing":
-            msg = f"field '{field}' is required"
-        elif err["type"] == "value_error" and not err["loc"]:  # a check across sections: its message names the fields
-            msg = err["msg"].removeprefix("Value error, ")
-        else:
-            msg = f"field '{field}': {err['msg']} (got {err.get('input')!r})"
-        more = f" (+{len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
-        raise SpecError(f"{where}: {msg}{more}") from None
+        hint = "check the spelling against the spec reference (ballast spec-schema)"
+        raise SpecError(f"{where}: {describe_validation_error(e, hint)}") from None
+    try:
+        check_rewards(spec.rewards, spec.eval.reward, spec_dir)
+        check_data(spec.data)
+    except (ValueError, FileNotFoundError) as e:
+        raise SpecError(f"{where}: {e}") from None
+    return spec
+
+
+# ── YAML files and validation errors, read the same way for specs and sweep files (sweeps/space.py) ─────
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load, except that a key given twice in one mapping is refused: PyYAML keeps the last one, so a
+    second `optim:` section would silently replace the first."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                lines = f"lines {seen[key] + 1} and {key_node.start_mark.line + 1}"
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"key '{key}' appears twice ({lines}): the second would silently replace the first; "
+                    "merge them into one",
+                    key_node.start_mark,
+                )
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml_mapping(path: str | Path, what: str, pass_hint: str, shape: str, error: type = SpecError) -> dict:
+    """The mapping a YAML file holds; `error` (naming the file and the fix) when it is missing, not UTF-8 text, not
+    valid YAML, has a key twice, or is not a mapping. `what` names the file ("spec file"), `pass_hint` what to pass
+    instead, `shape` what it must hold."""
+    path = Path(path)
+    if not path.is_file():
+        raise error(f"{what} {path} does not exist; pass the path of {pass_hint}")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(
+            f"{what} {path} is not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start}); save it as UTF-8 "
+            f"YAML, {shape}"
+        ) from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f"line {mark.line + 1}: " if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise error(f"{what} {path} is not valid YAML: {at}{problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise error(f"{what} {path} must hold {shape}; it holds a YAML {type(data).__name__}")
+    return data
+
+
+def describe_validation_error(e: ValidationError, unknown_hint: str) -> str:
+    """A pydantic error as one line: the first problem with its dotted field, and how many more there are."""
+    err = e.errors()[0]
+    field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    message = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        msg = f"unknown field '{field}'; {unknown_hint}"
+    elif err["type"] == "missing":
+        msg = f"field '{field}' is required"
+    elif err["type"] == "value_error" and (not err["loc"] or message.startswith(f"{field}.")):
+        msg = message  # a check across fields: its message names them
+    else:
+        msg = f"field '{field}': {message}"
+        value = err.get("input")
+        if not isinstance(value, (dict, list)):
+            shown = repr(value)
+            msg += f" (got {shown[:80] + '...' if len(shown) > 80 else shown})"
+    more = f" (+{len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
+    return msg.replace("\n", " ") + more
 
 
 def set_path(data: dict, item: str) -> None:
@@ -150,13 +371,39 @@ def set_path(data: dict, item: str) -> None:
 
 
 def _refuse_secrets(data: Any, where: str, prefix: str = "") -> None:
+    if isinstance(data, list):  # e.g. rewards[i].kwargs
+        for i, v in enumerate(data):
+            _refuse_secrets(v, where, f"{prefix}{i}.")
     if isinstance(data, dict):
         for k, v in data.items():
             name = f"{prefix}{k}"
             if looks_secret(str(k)) and isinstance(v, str) and v:
-                raise SpecError(f"{where}: field '{name}' looks like a secret; secrets never go in a spec (it is logged to "
-                                "MLflow) — put it in an environment variable and name the variable instead")
+                raise SpecError(
+                    f"{where}: field '{name}' looks like a secret; secrets never go in a spec (it is logged to "
+                    "MLflow) — put it in an environment variable and name the variable instead"
+                )
+            if isinstance(v, str) and uri_has_password(v):
+                raise SpecError(
+                    f"{where}: field '{name}' holds a password inside its URI (user:***@host); it would be "
+                    "logged to MLflow — give the credential through the service's environment variables "
+                    "(AWS_*, MLFLOW_TRACKING_PASSWORD, PGPASSWORD) or ~/.pgpass, and the URI without it"
+                )
+            if str(k).endswith("_env") and isinstance(v, str) and not is_variable_name(v):
+                raise SpecError(
+                    f"{where}: field '{name}' must name an environment variable (e.g. OPENAI_API_KEY); the "
+                    "value given is not a name and is not shown, as it may be the key itself"
+                )
             _refuse_secrets(v, where, name + ".")
+
+
+def uri_has_password(value: str) -> bool:
+    """True for 'scheme://user:secret@host/...' (a URI with a password part)."""
+    if "://" not in value or "@" not in value:
+        return False
+    try:
+        return bool(urlsplit(value.strip()).password)
+    except ValueError:
+        return False
 
 
 def spec_hash(spec: ExperimentSpec) -> str:
@@ -177,6 +424,7 @@ def flat_params(spec: ExperimentSpec) -> dict[str, str]:
             if looks_secret(key):
                 value = "***"
             out[key] = value[:500]
+
     walk(spec.model_dump(mode="json"), "")
     return out
 

@@ -1,76 +1,177 @@
-"""Train stage: the embedded trainer, with its callbacks bound to MLflow (step metrics, batched on a
-background thread) and to the artifact store (each checkpoint uploaded as it is saved). A failed upload
-does not stop training — the checkpoint stage retries it — but it is recorded."""
+"""Train stage: the embedded GRPO trainer on the spec, starting from the fork source or resuming the run.
+
+The trainer reports through callbacks only (trainer/loop.py): the caller passes the ones that send metrics to
+MLflow (tasks/record.py), upload checkpoints as they are saved (tasks/checkpoint.py) and, in a sweep, report to
+Optuna (sweeps/pruning.py). On a resume the outcome's history joins the steps already in metrics.jsonl.
+"""
+
 from __future__ import annotations
 
+import json
+import signal
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.loop import Callbacks, GRPOTrainer
-
-
-class LineageCallbacks(Callbacks):
-    def __init__(self, sink, store=None, prefix: str | None = None, extra: list[Callbacks] = ()):
-        self.sink, self.store, self.prefix, self.extra = sink, store, prefix, list(extra)
-        self.uploaded: dict[int, str] = {}
-        self.upload_errors: list[str] = []
-
-    def on_step(self, step, metrics):
-        if self.sink is not None:
-            self.sink.log(step, metrics)
-        for cb in self.extra:
-            cb.on_step(step, metrics)
-
-    def on_checkpoint(self, step, path, manifest):
-        if self.store is not None:
-            try:
-                self.uploaded[step] = self.store.put_dir(path, f"{self.prefix}/{Path(path).name}")
-            except Exception as e:  # the checkpoint stage retries; training goes on
-                self.upload_errors.append(f"step {step}: {e}")
-        for cb in self.extra:
-            cb.on_checkpoint(step, path, manifest)
-
-    def should_stop(self, step, metrics):
-        for cb in self.extra:
-            reason = cb.should_stop(step, metrics)
-            if reason:
-                return reason
-        return None
+from tasks.fork import ForkError, ForkSource, fork
+from trainer.loop import Callbacks, GRPOTrainer, RunResult, check_resume
+from trainer.model import ensure_model
 
 
 @dataclass
 class TrainOutcome:
     output_dir: Path
     last_step: int
-    stopped: str | None
+    stopped: str | None  # why the run stopped early ('collapsed: ...', 'pruned: ...')
     last_checkpoint: Path | None
-    history: list[dict] = field(default_factory=list)
-    trainer_seconds: float = 0.0
-    upload_errors: list[str] = field(default_factory=list)
-    eval_start: dict | None = None
+    history: list[dict] = field(default_factory=list)  # one metrics dict per step, the resumed-over steps too
+    trainer_seconds: float = 0.0  # wall seconds of this invocation's steps
+    eval_start: dict | None = None  # eval/* before the first step (eval.on_start)
+    interrupted: str | None = None  # the signal that stopped training at a safe point (SIGTERM, SIGINT)
+
+    @property
+    def rewards(self) -> list[float]:
+        return [m["reward"] for m in self.history if "reward" in m]
+
+    def raise_if_interrupted(self) -> None:
+        """A run stopped by a signal goes no further than the checkpoint saved where it stopped."""
+        if self.interrupted:
+            raise RunInterrupted(self.interrupted, self.last_step, self.last_checkpoint)
 
 
-def run_training(spec, output_dir: Path, callbacks: LineageCallbacks, fork_source=None, resume: bool = False,
-                 progress: bool = True) -> TrainOutcome:
-    import json
+class RunInterrupted(Exception):
+    """A signal stopped a run: which one, the last step done and its checkpoint, whether it stopped at a safe point
+    (after a step, checkpoint saved there) or at once (mid-step: a resume starts from the newest checkpoint, or from
+    step 1 without one), and the command that continues it. The exit status is the shell's: 128 + the signal."""
 
-    lineage = {}
-    if fork_source is not None and fork_source.local_dir is not None:
-        lineage = {"parent_run_id": fork_source.parent_run_id, "parent_step": fork_source.parent_step,
-                   "fork_checkpoint": fork_source.checkpoint_uri}
-    trainer = GRPOTrainer(spec.trainer_config(), output_dir, callbacks=[callbacks],
-                          init_adapter=fork_source.adapter_dir if fork_source else None, lineage=lineage, progress=progress)
+    def __init__(
+        self,
+        signal_name: str,
+        step: int | None = None,
+        checkpoint: Path | None = None,
+        at_once: bool = False,
+        run: str = "the run",
+        resume: str | None = None,
+    ):
+        super().__init__(signal_name)
+        self.signal, self.step, self.checkpoint, self.at_once = signal_name, step, checkpoint, at_once
+        self.run, self.resume = run, resume
+
+    @classmethod
+    def of(cls, error: BaseException, checkpoints: list[tuple[int, Path]]) -> RunInterrupted:
+        """From a signal that stopped the run at once (KeyboardInterrupt, Prefect's TerminationSignal), given the run's
+        checkpoints as (step, path), oldest first."""
+        number = getattr(error, "signal", None)
+        name = signal.Signals(number).name if isinstance(number, int) else "SIGINT"
+        step, path = checkpoints[-1] if checkpoints else (None, None)
+        return cls(name, step, path, at_once=True)
+
+    def __str__(self) -> str:
+        if not self.at_once:
+            where = f"after step {self.step}, checkpoint saved ({self.checkpoint})"
+        elif self.checkpoint is not None:
+            where = f"during a step; it continues from its newest checkpoint, step {self.step} ({self.checkpoint})"
+        else:
+            where = "before its first checkpoint; it starts again from step 1"
+        resume = f"; continue with: {self.resume}" if self.resume else ""
+        return f"{self.run} stopped by {self.signal} {where}{resume}"
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + int(signal.Signals[self.signal])
+
+
+def run_training(
+    spec,
+    output_dir: Path,
+    callbacks: Sequence[Callbacks],
+    fork_source: ForkSource | None = None,
+    resume: bool = False,
+    progress: bool = True,
+) -> TrainOutcome:
+    """Train `spec` into `output_dir` (metrics.jsonl, checkpoints/); on `resume`, from its newest checkpoint."""
+    source = fork_source or ForkSource()
+    trainer = GRPOTrainer(
+        spec.trainer_config(),
+        output_dir,
+        callbacks=list(callbacks),
+        init_adapter=source.adapter_dir,
+        lineage=_lineage(source),
+        progress=progress,
+    )
     try:
         if resume:
             trainer.resume()
-        earlier = []
-        metrics_file = Path(output_dir) / "metrics.jsonl"
-        if metrics_file.exists():
-            earlier = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+        earlier = _read_metrics(Path(output_dir) / "metrics.jsonl") if resume else []
         result = trainer.train(spec.optim.steps)
     finally:
         trainer.close()
     eval_start = result.eval_start or next((m for m in earlier if m["step"] == 0), None)
-    history = [m for m in earlier if m["step"] > 0] + result.history if resume else result.history
-    return TrainOutcome(Path(output_dir), result.last_step, result.stopped, result.last_checkpoint, history,
-                        sum(m.get("step_time", 0.0) for m in result.history), list(callbacks.upload_errors), eval_start)
+    history = [m for m in earlier if m["step"] > 0] + result.history
+    return TrainOutcome(
+        Path(output_dir),
+        result.last_step,
+        result.stopped,
+        result.last_checkpoint,
+        history,
+        sum(m.get("step_time", 0.0) for m in result.history),
+        eval_start,
+        result.interrupted,
+    )
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _lineage(source: ForkSource) -> dict:
+    return (
+        {
+            "parent_run_id": source.parent_run_id,
+            "parent_step": source.parent_step,
+            "fork_checkpoint": source.checkpoint_uri,
+        }
+        if source.checkpoint
+        else {}
+    )
+
+
+def check_resumable(spec, output_dir: Path) -> Path | None:
+    """The checkpoint a resume of `output_dir` starts from (None: none yet), verified and matching `spec`; a
+    CheckpointError otherwise — before any model loads, and with nothing in `output_dir` changed."""
+    return check_resume(spec.trainer_config(), output_dir)
+
+
+def fork_alone(spec) -> ForkSource:
+    """Where `ballast train` starts: the base model, or `fork.checkpoint` fetched and verified as for a pipeline
+    run. `fork.run_id` names a run in the tracking store, which the trainer alone does not open."""
+    if spec.fork.run_id:
+        raise ForkError(
+            f"fork.run_id={spec.fork.run_id}: `ballast train` has no tracking store to find a run's "
+            "checkpoints in; give fork.checkpoint (a checkpoint directory or s3:// URI), "
+            "or use ballast run"
+        )
+    return fork(spec, checkpoint_prefix_of=None)
+
+
+def train_alone(
+    spec, output_dir: Path, resume: bool, progress: bool, source: ForkSource | None = None
+) -> tuple[RunResult, Path | None]:
+    """`ballast train`: the trainer with no orchestration, from `source` (fork_alone) when given; (result, the
+    checkpoint resumed from)."""
+    source = source or ForkSource()
+    trainer = GRPOTrainer(
+        spec.trainer_config(), output_dir, init_adapter=source.adapter_dir, lineage=_lineage(source), progress=progress
+    )
+    try:
+        resumed_from = trainer.resume() if resume else None
+        return trainer.train(spec.optim.steps), resumed_from
+    finally:
+        trainer.close()
+
+
+def ensure_base_model(spec) -> str:
+    """The spec's base model, built or converted on first use when its model section says how."""
+    return ensure_model(spec.model)

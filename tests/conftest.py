@@ -4,6 +4,7 @@ The tiny model is built once (the real recipe, warm-up included, ~1 minute on 2 
 under .ballast/test-cache/, keyed by the recipe, so later sessions reuse it; a file lock lets several
 pytest processes share the build. It is loaded through from_pretrained like any Hugging Face model.
 """
+
 import fcntl
 import hashlib
 import json
@@ -12,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["tests.s3_fixtures"]
+pytest_plugins = ["tests.s3_fixtures", "tests.real_model_fixtures"]
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def tiny_model_path() -> Path:
-    from trainer.model import RECIPE, build_tiny_arith
+    from trainer.tiny import RECIPE, build_tiny_arith
 
     key = hashlib.sha256(json.dumps(asdict(RECIPE), sort_keys=True).encode()).hexdigest()[:12]
     cache = REPO / ".ballast" / "test-cache"
@@ -56,3 +57,41 @@ def tiny_spec(model_path, **sections) -> dict:
         else:
             spec[name] = value
     return spec
+
+
+# ── the `integration` marker ──────────────────────────────────────────────────────────────────────
+# A test is an integration test when it needs a real model, a server process (moto, Prefect, MLflow, vLLM,
+# PostgreSQL) or a subprocess of the CLI; `pytest -m "not integration"` runs the unit tests alone, in under a
+# minute. The marker is given here, from what each test asks for, so no test can be filed under the wrong one.
+INTEGRATION_FIXTURES = {
+    "tiny_model",
+    "moto_server",
+    "s3_bucket",
+    "prefect",
+    "prefect_server",
+    "smollm2",
+    "vllm_python",
+    "finished_run",
+    "quickstart",
+    "straight_run",
+}
+INTEGRATION_MODULES = {
+    "test_pipeline",
+    "test_sweep",
+    "test_sweep_postgres",
+    "test_regression",
+    "test_vllm",
+    "test_deployments",
+    "test_skypilot",
+    "test_bad_inputs",
+    "test_nothing_lost",
+    "test_outages",
+    "test_signals",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if module in INTEGRATION_MODULES or INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)

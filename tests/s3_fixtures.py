@@ -7,7 +7,7 @@ test can ask for the fixtures by name:
   points the standard AWS environment at it (AWS_ENDPOINT_URL, fake AWS_ACCESS_KEY_ID /
   AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION=us-east-1; AWS_PROFILE and AWS_ENDPOINT_URL_S3
   removed), yields the endpoint URL, and restores the environment afterwards. Anything built on
-  boto3's default chain (`infra.s3.s3_client()`, `tasks.store.open_store("s3://...")`) talks to it
+  boto3's default chain (`infra.store.s3_client()`, `infra.store.open_store("s3://...")`) talks to it
   with no further set-up.
 * `s3_bucket` (function): a fresh, empty bucket with a unique name; emptied and deleted after the
   test.

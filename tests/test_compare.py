@@ -1,21 +1,31 @@
 """Comparing two probe results: the field's numbers (0/108 vs 35/72) are a regression with p far below
 0.001, equal rates are not, a B that got better is not (the test is one-sided), a B whose artifacts fail
 parity is; and `ballast compare` exits 0 / 1 / 2 for no regression / regression / bad arguments."""
+
 import json
 
 import pytest
 
 from tasks.compare import compare, format_verdict, plot_comparison, pool_reports, resolve_target
-from tasks.probe import REPORT_KIND, wilson_interval
+from tasks.probe import wilson_interval
+from tasks.probe_report import REPORT_KIND
 from trainer.health import REASONS
 
 
 def report(n_malformed: int, n_samples: int, parity_ok: bool = True, checkpoint: str = "ckpt") -> dict:
     """A probe report with only the fields a comparison reads."""
-    return {"kind": REPORT_KIND, "schema_version": 1, "checkpoint": checkpoint, "n_samples": n_samples,
-            "n_malformed": n_malformed, "malformed_rate": n_malformed / n_samples, "parity_ok": parity_ok,
-            "passed": parity_ok and n_malformed / n_samples <= 0.25, "failures": [] if parity_ok else ["parity failed: ..."],
-            "reason_counts": {r: (n_malformed if r == "repetition_loop" else 0) for r in REASONS}}
+    return {
+        "kind": REPORT_KIND,
+        "schema_version": 1,
+        "checkpoint": checkpoint,
+        "n_samples": n_samples,
+        "n_malformed": n_malformed,
+        "malformed_rate": n_malformed / n_samples,
+        "parity_ok": parity_ok,
+        "passed": parity_ok and n_malformed / n_samples <= 0.25,
+        "failures": [] if parity_ok else ["parity failed: ..."],
+        "reason_counts": {r: (n_malformed if r == "repetition_loop" else 0) for r in REASONS},
+    }
 
 
 def test_the_field_numbers_are_a_regression_with_p_far_below_0_001():
@@ -23,8 +33,9 @@ def test_the_field_numbers_are_a_regression_with_p_far_below_0_001():
     assert result["verdict"] == "regression" and result["regression"] and result["rate_regression"]
     assert result["p_value"] < 1e-3
     assert result["p_value"] == pytest.approx(1.78e-17, rel=0.01)
-    assert result["summary"] == ("regression: B malformed 35/72 (48.6%) vs A 0/108 (0.0%), Fisher exact p=1.8e-17 "
-                                 "(one-sided, alpha 0.01)")
+    assert result["summary"] == (
+        "regression: B malformed 35/72 (48.6%) vs A 0/108 (0.0%), Fisher exact p=1.8e-17 (one-sided, alpha 0.01)"
+    )
 
 
 @pytest.mark.parametrize("a, b", [((0, 108), (0, 108)), ((5, 60), (5, 60)), ((35, 72), (35, 72)), ((3, 18), (4, 18))])
@@ -63,8 +74,16 @@ def test_parity_failure_only_in_b_is_a_regression_even_at_equal_rates():
 
 
 def test_pooled_reports_add_up_and_count_unloadable_artifacts_as_parity_failures():
-    unloadable = {"checkpoint": "c3", "error": "cannot load", "passed": False, "parity_ok": False, "n_samples": 0,
-                  "n_malformed": 0, "failures": ["cannot load"], "reason_counts": {}}
+    unloadable = {
+        "checkpoint": "c3",
+        "error": "cannot load",
+        "passed": False,
+        "parity_ok": False,
+        "n_samples": 0,
+        "n_malformed": 0,
+        "failures": ["cannot load"],
+        "reason_counts": {},
+    }
     pooled = pool_reports([report(1, 24, checkpoint="c1"), report(3, 24, checkpoint="c2"), unloadable], label="main")
     assert (pooled["n_samples"], pooled["n_malformed"], pooled["n_reports"]) == (48, 4, 3)
     assert pooled["malformed_ci"] == wilson_interval(4, 48)
@@ -119,6 +138,7 @@ def test_resolve_target_reads_an_mlflow_runs_probe_report_and_metric_history(tmp
 
 # ── the command ────────────────────────────────────────────────────────────────────────────────────
 
+
 @pytest.fixture
 def reports(tmp_path):
     paths = {}
@@ -131,11 +151,26 @@ def reports(tmp_path):
 def test_cli_compare_exits_1_on_a_regression_and_writes_results(reports, tmp_path, capsys):
     from flows.cli import main
 
-    rc = main(["compare", str(reports["old"]), str(reports["new"]), "--json", str(tmp_path / "cmp.json"),
-               "--html", str(tmp_path / "cmp.html"), "--label-a", "v1", "--label-b", "v2"])
+    rc = main(
+        [
+            "compare",
+            str(reports["old"]),
+            str(reports["new"]),
+            "--json",
+            str(tmp_path / "cmp.json"),
+            "--html",
+            str(tmp_path / "cmp.html"),
+            "--label-a",
+            "v1",
+            "--label-b",
+            "v2",
+        ]
+    )
     assert rc == 1
     out = capsys.readouterr().out
-    assert out.splitlines()[0].startswith("regression: v2 malformed 35/72 (48.6%) vs v1 0/108 (0.0%), Fisher exact p=1.8e-17")
+    assert out.splitlines()[0].startswith(
+        "regression: v2 malformed 35/72 (48.6%) vs v1 0/108 (0.0%), Fisher exact p=1.8e-17"
+    )
     saved = json.loads((tmp_path / "cmp.json").read_text())
     assert saved["verdict"] == "regression" and saved["p_value"] < 1e-3
     page = (tmp_path / "cmp.html").read_text()

@@ -1,6 +1,7 @@
 """prefect.yaml against a real local Prefect server (SQLite, offline): `prefect deploy --all` registers
 the pipeline, the nightly regression and the sweep (and sweep-worker) deployments, and the server gives
 back their entrypoints, parameters, work pool and the regression's cron schedule."""
+
 import asyncio
 import os
 import signal
@@ -33,12 +34,22 @@ def prefect_server(tmp_path_factory):
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(home), PREFECT_API_URL=api, PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home / 'prefect.db'}",
-               PREFECT_LOGGING_LEVEL="WARNING", PREFECT_SERVER_UI_ENABLED="false")
+    env.update(
+        PREFECT_HOME=str(home),
+        PREFECT_API_URL=api,
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home / 'prefect.db'}",
+        PREFECT_LOGGING_LEVEL="WARNING",
+        PREFECT_SERVER_UI_ENABLED="false",
+    )
     log = open(home / "server.log", "w")
-    server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                              env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = subprocess.Popen(
+        [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while True:
@@ -48,7 +59,9 @@ def prefect_server(tmp_path_factory):
             except httpx.HTTPError:
                 pass
             if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"prefect server did not come up on port {port}:\n{(home / 'server.log').read_text()[-3000:]}")
+                raise RuntimeError(
+                    f"prefect server did not come up on port {port}:\n{(home / 'server.log').read_text()[-3000:]}"
+                )
             time.sleep(1)
         yield {"api": api, "env": env}
     finally:
@@ -62,7 +75,9 @@ def prefect_server(tmp_path_factory):
 
 def prefect_cli(server, *args) -> subprocess.CompletedProcess:
     proc = subprocess.run([PREFECT, *args], cwd=REPO, env=server["env"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"prefect {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    assert proc.returncode == 0, (
+        f"prefect {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    )
     return proc
 
 
@@ -79,7 +94,9 @@ def deployed(prefect_server):
     async def read():
         async with get_client() as client:
             deployments = await client.read_deployments()
-            return {d.name: d for d in deployments}, {d.id: (await client.read_flow(d.flow_id)).name for d in deployments}
+            return {d.name: d for d in deployments}, {
+                d.id: (await client.read_flow(d.flow_id)).name for d in deployments
+            }
 
     with temporary_settings(updates={PREFECT_API_URL: prefect_server["api"]}):
         return asyncio.run(read())
@@ -100,7 +117,8 @@ def test_every_deployment_is_registered_with_its_flow(deployed):
     assert set(deployments) == set(DEPLOYMENTS)
     for name in DEPLOYMENTS:
         assert flow_names[deployments[name].id] == name
-        assert deployments[name].entrypoint == f"flows/deployments.py:{name.replace('-', '_')}"
+        module = {"ballast-pipeline": "pipeline", "ballast-regression": "regression"}.get(name, "sweep")
+        assert deployments[name].entrypoint == f"flows/{module}.py:{name.replace('-', '_')}"
     assert {d.work_pool_name for d in deployments.values()} == {"ballast-local"}
 
 
@@ -115,8 +133,15 @@ def test_sweep_deployments_take_the_sweep_file_and_a_shared_study(deployed):
 def test_regression_deployment_runs_nightly_with_its_parameters(deployed):
     deployments, _ = deployed
     regression = deployments["ballast-regression"]
-    assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in regression.schedules] == [("0 3 * * *", "UTC", True)]
-    assert regression.parameters == {"spec": "examples/quickstart.yaml", "refs": ["HEAD~1", "HEAD"], "runs": 3, "alpha": 0.01}
+    assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in regression.schedules] == [
+        ("0 3 * * *", "UTC", True)
+    ]
+    assert regression.parameters == {
+        "spec": "examples/quickstart.yaml",
+        "refs": ["HEAD~1", "HEAD"],
+        "runs": 3,
+        "alpha": 0.01,
+    }
     schema = regression.parameter_openapi_schema["properties"]
     assert {"spec", "refs", "runs", "steps", "repo", "alpha"} <= set(schema)
 
@@ -124,6 +149,8 @@ def test_regression_deployment_runs_nightly_with_its_parameters(deployed):
 def test_pipeline_deployment_runs_from_this_checkout(deployed):
     deployments, _ = deployed
     pipeline = deployments["ballast-pipeline"]
-    assert pipeline.parameters == {"spec_path": "examples/quickstart.yaml"}
+    assert pipeline.parameters == {"spec": "examples/quickstart.yaml"}
     assert pipeline.schedules == []
-    assert pipeline.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO.resolve())}}]
+    assert pipeline.pull_steps == [
+        {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO.resolve())}}
+    ]

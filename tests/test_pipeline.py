@@ -2,9 +2,10 @@
 the artifact store on disk and on S3 (a moto server on loopback).
 
 Fork → train → checkpoint → artifact-probe → eval all complete in Prefect and are recorded in MLflow;
-forks verify and carry lineage; a tampered fork source leaves nothing behind; a store outage fails
-the checkpoint stage by name, keeps what was saved, and `--resume` finishes the run.
+forks verify and carry lineage; a tampered fork source leaves nothing behind; a store that is down fails
+the run at its start, before anything exists.
 """
+
 import json
 import os
 import subprocess
@@ -23,27 +24,35 @@ STAGES = {"fork", "train", "checkpoint", "artifact-probe", "eval"}
 @pytest.fixture(scope="module")
 def prefect():
     from prefect.testing.utilities import prefect_test_harness
+
     with prefect_test_harness(server_startup_timeout=120):
         yield
 
 
 def pipeline_spec(tiny_model, project, **sections):
-    base = dict(name="pipeline-test", project_dir=str(project),
-                probe={"n": 2, "max_tokens": 24, "max_malformed_rate": 1.0},
-                eval={"every": 2, "max_tokens": 24})
+    base = dict(
+        name="pipeline-test",
+        project_dir=str(project),
+        probe={"n": 2, "max_tokens": 24, "max_malformed_rate": 1.0},
+        eval={"every": 2, "max_tokens": 24},
+    )
     base.update(sections)
     return tiny_spec(tiny_model, **base)
 
 
 def run(spec_dict, resume_run_id=None):
-    from flows.pipeline import pipeline_flow
-    state = pipeline_flow()(spec_dict, resume_run_id, return_state=True)
-    return state, state.result(raise_on_failure=False)
+    from flows.pipeline import ballast_pipeline
+    from tasks.summary import PipelineResult
+
+    state = ballast_pipeline(spec_dict, resume_run_id=resume_run_id, return_state=True)
+    result = state.result(raise_on_failure=False)
+    return state, (result.to_dict() if isinstance(result, PipelineResult) else result)
 
 
 def task_run_names(flow_run_id) -> dict[str, str]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
     return {r.name.rsplit("-", 1)[0]: r.state.type.value for r in runs}
@@ -83,8 +92,10 @@ def test_lineage_tags_params_metrics_and_artifacts(finished_run):
     client = mlflow_client(project)
     r = client.get_run(summary["run_id"])
     tags = r.data.tags
-    for key in ("code_commit", "code_dirty", "spec_hash", "base_model", "data_fingerprint", "checkpoint_prefix", "output_dir"):
+    for key in ("code_dirty", "spec_hash", "data_fingerprint"):
         assert tags.get(f"ballast.{key}"), key
+    for key in ("code_commit", "base_model", "checkpoint_prefix", "output_dir"):  # long values: params (run page)
+        assert r.data.params.get(f"ballast.{key}"), key
     assert tags["ballast.status"] == "finished"
     assert r.data.params["grpo.beta"] == "0.04" and r.data.params["optim.steps"] == "4"
     assert [m.step for m in client.get_metric_history(r.info.run_id, "reward")] == [1, 2, 3, 4]
@@ -96,7 +107,8 @@ def test_lineage_tags_params_metrics_and_artifacts(finished_run):
 
 
 def test_checkpoints_are_in_the_store_with_retention(finished_run):
-    from tasks.store import open_store
+    from infra.store import open_store
+
     project, _, summary = finished_run
     store = open_store(str(project / "artifacts"))
     stored = store.list_dirs(f"runs/{summary['run_id']}/checkpoints")
@@ -106,34 +118,56 @@ def test_checkpoints_are_in_the_store_with_retention(finished_run):
 
 def test_secrets_never_reach_mlflow(tiny_model, tmp_path, prefect, monkeypatch):
     from tasks.spec import SpecError, load_spec
+
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-value-never-logged")
     with pytest.raises(SpecError, match="infra.env.api_key.*looks like a secret"):
         load_spec(pipeline_spec(tiny_model, tmp_path, infra={"env": {"api_key": "sk-live"}}))
 
 
 def test_fork_chain_a_b_c_verifies_and_walks_back(tiny_model, finished_run, prefect, tmp_path):
-    from tasks import lineage
+    from tasks.record import Tracking
+    from tasks.spec import load_spec
+
     project, _, a = finished_run
-    b_state, b = run(pipeline_spec(tiny_model, project, name="b", fork={"run_id": a["run_id"], "step": 2},
-                                   optim={"steps": 2}, probe={"enabled": False}))
+    b_state, b = run(
+        pipeline_spec(
+            tiny_model,
+            project,
+            name="b",
+            fork={"run_id": a["run_id"], "step": 2},
+            optim={"steps": 2},
+            probe={"enabled": False},
+        )
+    )
     assert b_state.is_completed(), b
     client = mlflow_client(project)
     tags = client.get_run(b["run_id"]).data.tags
-    assert tags["ballast.parent_run_id"] == a["run_id"] and tags["ballast.parent_step"] == "2"
+    assert client.get_run(b["run_id"]).data.params["ballast.parent_run_id"] == a["run_id"]
+    assert tags["ballast.parent_step"] == "2"
     assert float(tags["ballast.fork_logprob_diff"]) < 1e-4
     # the fork continued from the parent's step-2 adapter, not from a fresh one
-    b_metrics = [json.loads(l) for l in open(os.path.join(b["output_dir"], "metrics.jsonl"))]
+    b_metrics = [json.loads(line) for line in open(os.path.join(b["output_dir"], "metrics.jsonl"))]
     assert b_metrics[0]["kl"] > 0  # the policy starts away from the base model
-    c_state, c = run(pipeline_spec(tiny_model, project, name="c", fork={"run_id": b["run_id"]},
-                                   optim={"steps": 1}, checkpoint={"every": 1}, probe={"enabled": False}))
+    c_state, c = run(
+        pipeline_spec(
+            tiny_model,
+            project,
+            name="c",
+            fork={"run_id": b["run_id"]},
+            optim={"steps": 1},
+            checkpoint={"every": 1},
+            probe={"enabled": False},
+        )
+    )
     assert c_state.is_completed(), c
-    chain = lineage.chain(client, c["run_id"])
+    chain = Tracking(load_spec(pipeline_spec(tiny_model, project))).chain(c["run_id"])
     assert [x["run_id"] for x in chain] == [c["run_id"], b["run_id"], a["run_id"]]
     assert chain[0]["parent_step"] == "2"  # c forked b's newest checkpoint, step 2
 
 
 def test_fork_from_tampered_checkpoint_fails_and_leaves_no_run(tiny_model, finished_run, prefect, tmp_path):
     import shutil
+
     project, _, a = finished_run
     src = tmp_path / "tampered"
     shutil.copytree(os.path.join(a["output_dir"], "checkpoints", "step-000004"), src)
@@ -151,6 +185,7 @@ def test_fork_that_does_not_reproduce_its_fingerprint_is_refused(tiny_model, fin
     """The adapter config was changed by buggy code *before* hashing: the hash passes, the fingerprint does not."""
     import hashlib
     import shutil
+
     project, _, a = finished_run
     src = tmp_path / "rescaled"
     shutil.copytree(os.path.join(a["output_dir"], "checkpoints", "step-000004"), src)
@@ -165,54 +200,87 @@ def test_fork_that_does_not_reproduce_its_fingerprint_is_refused(tiny_model, fin
 
 def test_pipeline_on_s3_and_postgres_mlflow(tiny_model, tmp_path, prefect, s3_bucket):
     db = f"ballast_{uuid.uuid4().hex[:8]}"
-    subprocess.run(["psql", "-h", "127.0.0.1", "-U", "postgres", "-c", f"create database {db}"], check=True, capture_output=True)
+    subprocess.run(
+        ["psql", "-h", "127.0.0.1", "-U", "postgres", "-c", f"create database {db}"], check=True, capture_output=True
+    )
     uri = f"postgresql://postgres@127.0.0.1:5432/{db}"
-    spec = pipeline_spec(tiny_model, tmp_path, optim={"steps": 2}, tracking={"uri": uri},
-                         storage={"uri": f"s3://{s3_bucket}/ballast"}, probe={"n": 1, "max_tokens": 24, "max_malformed_rate": 1.0})
+    spec = pipeline_spec(
+        tiny_model,
+        tmp_path,
+        optim={"steps": 2},
+        tracking={"uri": uri},
+        storage={"uri": f"s3://{s3_bucket}/ballast"},
+        probe={"n": 1, "max_tokens": 24, "max_malformed_rate": 1.0},
+    )
     state, summary = run(spec)
     assert state.is_completed(), summary
     assert summary["final_checkpoint"].startswith(f"s3://{s3_bucket}/ballast/runs/")
     client = MlflowClient(uri)
     assert stage_runs(client, summary["run_id"]) == {s: "FINISHED" for s in STAGES}
-    from tasks.store import open_store
+    from infra.store import open_store
+
     assert open_store(f"s3://{s3_bucket}/ballast").list_dirs(f"runs/{summary['run_id']}/checkpoints") == ["step-000002"]
 
 
-def test_store_outage_fails_checkpoint_stage_keeps_local_state_and_resume_finishes(tiny_model, tmp_path, prefect, moto_server,
-                                                                                  monkeypatch):
-    import boto3
-    bucket = f"outage-{uuid.uuid4().hex[:8]}"
-    boto3.client("s3").create_bucket(Bucket=bucket)
-    spec = pipeline_spec(tiny_model, tmp_path, optim={"steps": 2}, storage={"uri": f"s3://{bucket}/b"}, probe={"enabled": False})
+def test_store_outage_at_start_fails_the_run_before_any_run_or_output_exists(
+    tiny_model, tmp_path, prefect, moto_server, monkeypatch
+):
+    """A store that is down fails the run at its start (tests/test_outages.py: one that goes away mid-run)."""
+    spec = pipeline_spec(
+        tiny_model, tmp_path, optim={"steps": 2}, storage={"uri": "s3://any-bucket/b"}, probe={"enabled": False}
+    )
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     state, result = run(spec)
-    assert state.is_failed() and "stage 'checkpoint' failed" in str(result)
+    assert state.is_failed() and "cannot reach the S3 endpoint http://127.0.0.1:9" in str(result)
+    assert not (tmp_path / "runs").exists()
     client = mlflow_client(tmp_path)
-    failed = client.search_runs([client.get_experiment_by_name("ballast").experiment_id], "tags.`ballast.status` = 'failed'")
-    assert len(failed) == 1
-    run_id = failed[0].info.run_id
-    assert "stage 'checkpoint' failed" in failed[0].data.tags["ballast.stop_reason"]
-    assert os.path.isdir(os.path.join(failed[0].data.tags["ballast.output_dir"], "checkpoints", "step-000002"))
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server)
-    state, summary = run(spec, resume_run_id=run_id)
-    assert state.is_completed(), summary
-    assert summary["run_id"] == run_id and summary["status"] == "finished"
-    assert client.get_run(run_id).data.tags["ballast.status"] == "finished"
+    assert client.search_runs([client.get_experiment_by_name("ballast").experiment_id]) == []
 
 
 def test_cli_run_and_resume_by_run_id(tiny_model, tmp_path):
     """`ballast run SPEC` through the CLI, with Prefect's ephemeral API and nothing configured."""
     import yaml
+
     spec = tmp_path / "spec.yaml"
-    spec.write_text(yaml.safe_dump(pipeline_spec(tiny_model, tmp_path / "proj", optim={"steps": 2}, probe={"enabled": False})))
+    spec.write_text(
+        yaml.safe_dump(pipeline_spec(tiny_model, tmp_path / "proj", optim={"steps": 2}, probe={"enabled": False}))
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(spec)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", str(spec)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "MLflow UI:" in proc.stdout and "report:" in proc.stdout
-    run_id = proc.stdout.split("Ballast run ")[1].split(":")[0].strip()
-    again = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--resume", run_id, "--project-dir", str(tmp_path / "proj")],
-                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert "MLflow run:" in proc.stdout and "report:" in proc.stdout and ": finished" in proc.stdout
+    run_id = proc.stdout.split("run id:")[1].split()[0]
+    again = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", "--resume", run_id, "--project-dir", str(tmp_path / "proj")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert again.returncode == 0, again.stderr[-3000:]
-    assert f"Ballast run {run_id}: finished" in again.stdout
+    assert ": finished" in again.stdout and f"run id:        {run_id}" in again.stdout
+
+
+def test_full_finetune_runs_the_whole_pipeline_with_probe_and_eval(tiny_model, tmp_path, prefect):
+    """lora.enabled: false saves a complete model directory, which the probe and the eval load back."""
+    spec = pipeline_spec(
+        tiny_model,
+        tmp_path,
+        optim={"steps": 2, "learning_rate": 1e-4},
+        lora={"enabled": False},
+        grpo={"num_generations": 4, "prompts_per_step": 2, "beta": 0.0},
+    )
+    state, summary = run(spec)
+    assert state.is_completed(), summary
+    assert summary["status"] == "finished" and summary["probe"]["parity_ok"]
+    assert set(summary["eval"]) >= {"eval/reward", "eval/accuracy"}
+    client = mlflow_client(tmp_path)
+    assert stage_runs(client, summary["run_id"]) == {s: "FINISHED" for s in STAGES}

@@ -6,6 +6,7 @@ The broken variants are made from one real checkpoint (a short quickstart traini
 scenario is "buggy code saved it that way", the manifest's hashes are re-written after the change,
 so it is parity, the outputs or the identity checks that catch it — not the hash check.
 """
+
 import json
 import shutil
 from pathlib import Path
@@ -14,21 +15,44 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from tasks.probe import (
-    DEFAULT_PROMPTS, REPORT_KIND, ProbeError, load_probe_prompts, model_config_from_manifest, probe_checkpoint,
-    wilson_interval, write_probe_html,
+    ProbeError,
+    format_tag_for,
+    load_probe_prompts,
+    model_config_from_manifest,
+    probe_checkpoint,
+    wilson_interval,
 )
+from tasks.probe_report import REPORT_KIND, ProbeReport
 from tasks.spec import ProbeConfig, load_spec
 from tests.conftest import REPO
 from trainer.checkpoint import MANIFEST, list_checkpoints, sha256_file
 from trainer.health import REASONS, classify, reason_code
 
 SMALL_PROBE = ProbeConfig(n=4, temperature=0.7, max_tokens=32, expected_length=20)
-REPORT_FIELDS = {"schema_version", "checkpoint", "step", "base_model", "n_prompts", "n_samples", "n_malformed",
-                 "malformed_rate", "malformed_ci", "reason_counts", "parity_ok", "parity_max_diff", "parity_tolerance",
-                 "passed", "failures", "per_prompt", "samples", "settings"}
+REPORT_FIELDS = {
+    "schema_version",
+    "checkpoint",
+    "step",
+    "base_model",
+    "n_prompts",
+    "n_samples",
+    "n_malformed",
+    "malformed_rate",
+    "malformed_ci",
+    "reason_counts",
+    "parity_ok",
+    "parity_max_diff",
+    "parity_tolerance",
+    "passed",
+    "failures",
+    "per_prompt",
+    "samples",
+    "settings",
+}
 
 
 # ── fixtures: one real quickstart checkpoint, and variants of it ──────────────────────────────────
+
 
 @pytest.fixture(scope="module")
 def quickstart(tiny_model, tmp_path_factory):
@@ -36,9 +60,18 @@ def quickstart(tiny_model, tmp_path_factory):
     from trainer.loop import GRPOTrainer
 
     root = tmp_path_factory.mktemp("probe-quickstart")
-    spec = load_spec(REPO / "examples" / "quickstart.yaml", [
-        f"model.name_or_path={tiny_model}", f"project_dir={root}", "optim.steps=4", "checkpoint.every=4",
-        "grpo.num_generations=4", "grpo.prompts_per_step=4", "eval.every=0"])
+    spec = load_spec(
+        REPO / "examples" / "quickstart.yaml",
+        [
+            f"model.name_or_path={tiny_model}",
+            f"project_dir={root}",
+            "optim.steps=4",
+            "checkpoint.every=4",
+            "grpo.num_generations=4",
+            "grpo.prompts_per_step=4",
+            "eval.every=0",
+        ],
+    )
     trainer = GRPOTrainer(spec.trainer_config(), root / "run", progress=False)
     trainer.train()
     trainer.close()
@@ -48,13 +81,15 @@ def quickstart(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def healthy_report(quickstart, tmp_path_factory):
     spec, ckpt = quickstart
-    return probe_checkpoint(str(ckpt), spec.probe, spec.model, tmp_path_factory.mktemp("cache"), lora_cfg=spec.lora)
+    return probe_checkpoint(
+        str(ckpt), spec.probe, spec.model, tmp_path_factory.mktemp("cache"), lora_cfg=spec.lora
+    ).to_dict()
 
 
 @pytest.fixture(scope="module")
 def wrong_base(tmp_path_factory):
     """A second tiny model of the same architecture, another seed, barely warmed up."""
-    from trainer.model import build_tiny_arith
+    from trainer.tiny import build_tiny_arith
 
     return build_tiny_arith(tmp_path_factory.mktemp("wrong-base") / "model", seed=1, warmup_steps=1, progress=False)
 
@@ -62,8 +97,9 @@ def wrong_base(tmp_path_factory):
 def rehash(ckpt: Path) -> None:
     """Re-write the manifest's sha256s: the checkpoint is then what buggy code would have saved."""
     manifest = json.loads((ckpt / MANIFEST).read_text())
-    manifest["files"] = {str(p.relative_to(ckpt)): sha256_file(p) for p in sorted(ckpt.rglob("*"))
-                         if p.is_file() and p.name != MANIFEST}
+    manifest["files"] = {
+        str(p.relative_to(ckpt)): sha256_file(p) for p in sorted(ckpt.rglob("*")) if p.is_file() and p.name != MANIFEST
+    }
     (ckpt / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
 
 
@@ -79,7 +115,7 @@ def variant(quickstart, tmp_path, change, saved_that_way=True) -> Path:
 
 def probe(quickstart, ckpt, tmp_path, model_cfg=None, cfg=SMALL_PROBE) -> dict:
     spec, _ = quickstart
-    return probe_checkpoint(str(ckpt), cfg, model_cfg or spec.model, tmp_path / "cache", lora_cfg=spec.lora)
+    return probe_checkpoint(str(ckpt), cfg, model_cfg or spec.model, tmp_path / "cache", lora_cfg=spec.lora).to_dict()
 
 
 def edit_json(path: Path, **changes) -> None:
@@ -93,10 +129,12 @@ def scale_lora_b(factor: float):
         path = ckpt / "adapter" / "adapter_model.safetensors"
         weights = load_file(str(path))
         save_file({k: v * factor if "lora_B" in k else v for k, v in weights.items()}, str(path))
+
     return change
 
 
 # ── a healthy checkpoint ───────────────────────────────────────────────────────────────────────────
+
 
 def test_healthy_quickstart_checkpoint_passes(healthy_report):
     r = healthy_report
@@ -113,7 +151,7 @@ def test_report_has_the_documented_fields_and_counts(healthy_report, quickstart)
     assert REPORT_FIELDS <= set(r)
     assert r["schema_version"] == 1 and r["kind"] == REPORT_KIND
     assert r["checkpoint"] == str(ckpt) and r["step"] == 4
-    n_prompts = len(load_probe_prompts(None))
+    n_prompts = spec.probe.num_prompts  # the first held-out prompts of the experiment's data
     assert r["n_prompts"] == n_prompts and r["n_samples"] == n_prompts * spec.probe.n == len(r["samples"])
     assert r["n_malformed"] == sum(s["malformed"] for s in r["samples"])
     assert r["malformed_ci"] == wilson_interval(r["n_malformed"], r["n_samples"])
@@ -126,39 +164,51 @@ def test_report_has_the_documented_fields_and_counts(healthy_report, quickstart)
 
 
 def test_probe_reads_the_checkpoint_from_s3(quickstart, s3_bucket, tmp_path):
-    from tasks.store import open_store
+    from infra.store import open_store
 
     spec, ckpt = quickstart
     uri = open_store(f"s3://{s3_bucket}/runs").put_dir(ckpt, "run-1/step-000004")
-    r = probe_checkpoint(uri, SMALL_PROBE, spec.model, tmp_path / "cache", lora_cfg=spec.lora)
+    r = probe_checkpoint(uri, SMALL_PROBE, spec.model, tmp_path / "cache", lora_cfg=spec.lora).to_dict()
     assert r["checkpoint"] == uri and r["passed"], r["failures"]
 
 
 def test_probe_without_a_model_config_loads_the_manifests_base(quickstart, tmp_path):
     spec, ckpt = quickstart
-    r = probe_checkpoint(str(ckpt), SMALL_PROBE, None, tmp_path / "cache")
+    r = probe_checkpoint(str(ckpt), SMALL_PROBE, None, tmp_path / "cache").to_dict()
     assert r["base_model"] == spec.model.name_or_path and r["passed"]
 
 
 def test_full_fine_tuning_checkpoint_passes(tiny_model, tmp_path):
     from trainer.loop import GRPOTrainer
 
-    spec = load_spec(REPO / "examples" / "quickstart.yaml", [
-        f"model.name_or_path={tiny_model}", f"project_dir={tmp_path}", "lora.enabled=false", "optim.steps=2",
-        "optim.learning_rate=1e-5", "checkpoint.every=2", "grpo.num_generations=4", "grpo.prompts_per_step=2", "eval.every=0"])
+    spec = load_spec(
+        REPO / "examples" / "quickstart.yaml",
+        [
+            f"model.name_or_path={tiny_model}",
+            f"project_dir={tmp_path}",
+            "lora.enabled=false",
+            "optim.steps=2",
+            "optim.learning_rate=1e-5",
+            "checkpoint.every=2",
+            "grpo.num_generations=4",
+            "grpo.prompts_per_step=2",
+            "eval.every=0",
+        ],
+    )
     trainer = GRPOTrainer(spec.trainer_config(), tmp_path / "run", progress=False)
     trainer.train()
     trainer.close()
     ckpt = list_checkpoints(tmp_path / "run" / "checkpoints")[-1][1]
     assert (ckpt / "model").is_dir()
-    r = probe_checkpoint(str(ckpt), SMALL_PROBE, spec.model, tmp_path / "cache", lora_cfg=spec.lora)
+    r = probe_checkpoint(str(ckpt), SMALL_PROBE, spec.model, tmp_path / "cache", lora_cfg=spec.lora).to_dict()
     assert r["parity_ok"] and r["passed"], r["failures"]
 
 
 # ── broken the ways the field has seen ─────────────────────────────────────────────────────────────
 
+
 def test_adapter_weights_scaled_up_fail_parity_and_outputs(quickstart, tmp_path):
-    r = probe(quickstart, variant(quickstart, tmp_path, scale_lora_b(16.0)), tmp_path)
+    r = probe(quickstart, variant(quickstart, tmp_path, scale_lora_b(256.0)), tmp_path)
     assert not r["passed"]
     assert not r["parity_ok"] and r["parity_max_diff"] > 1.0
     assert r["malformed_rate"] > 0.5
@@ -167,7 +217,11 @@ def test_adapter_weights_scaled_up_fail_parity_and_outputs(quickstart, tmp_path)
 
 
 def test_lora_alpha_changed_in_adapter_config_fails_with_both_values(quickstart, tmp_path):
-    r = probe(quickstart, variant(quickstart, tmp_path, lambda c: edit_json(c / "adapter" / "adapter_config.json", lora_alpha=256)), tmp_path)
+    r = probe(
+        quickstart,
+        variant(quickstart, tmp_path, lambda c: edit_json(c / "adapter" / "adapter_config.json", lora_alpha=256)),
+        tmp_path,
+    )
     assert not r["passed"] and not r["parity_ok"]
     assert not r["checks"]["adapter_config"]["ok"]
     message = next(f for f in r["failures"] if f.startswith("adapter config"))
@@ -271,6 +325,7 @@ def test_manifest_without_fingerprint_fails_parity_as_unchecked(quickstart, tmp_
 
 # ── settings and prompts ───────────────────────────────────────────────────────────────────────────
 
+
 def test_threshold_decides_pass_on_the_malformed_rate(quickstart, tmp_path):
     """The same healthy checkpoint fails when every sample is made malformed by a too-small max_tokens."""
     cfg = SMALL_PROBE.model_copy(update={"max_tokens": 3})
@@ -288,17 +343,47 @@ def test_a_spec_names_its_own_prompt_file(quickstart, tmp_path):
     assert [p["prompt"] for p in r["per_prompt"]] == ["1+1", "2+2"] and r["n_samples"] == 4
 
 
-def test_default_prompt_set_ships_with_answers():
-    prompts = load_probe_prompts(None)
-    assert DEFAULT_PROMPTS.name == "default.jsonl" and len(prompts) >= 3
-    assert all(p["prompt"] and p["answer"].startswith("<output>") for p in prompts)
+def test_default_prompts_are_the_experiments_held_out_prompts_rendered_as_in_training(healthy_report, quickstart):
+    from trainer.data import load_datasets
+
+    spec, _ = quickstart
+    _, held_out = load_datasets(spec.data)
+    assert [p["prompt"] for p in healthy_report["per_prompt"]] == [e.prompt for e in held_out[: spec.probe.num_prompts]]
+    assert "held-out" in healthy_report["settings"]["prompts"]
 
 
-def test_default_prompt_set_is_package_data():
-    from importlib.resources import files
+def test_the_verdict_is_read_against_the_base_model_on_the_same_prompts(healthy_report, quickstart):
+    report = ProbeReport.from_dict(healthy_report)
+    base = healthy_report["baseline"]
+    assert base["model"].startswith("base model") and base["n_samples"] == healthy_report["n_samples"]
+    assert {s["prompt"] for s in base["samples"]} == {s["prompt"] for s in healthy_report["samples"]}
+    assert report.versus() == (
+        f"{healthy_report['malformed_rate']:.1%} malformed vs {base['malformed_rate']:.1%} for the {base['model']}"
+    )
+    assert report.versus() in "\n".join(report.summary_lines())
 
-    assert (files("tasks") / "probe_prompts" / "default.jsonl").is_file()
-    assert 'tasks = ["probe_prompts/*"]' in (REPO / "pyproject.toml").read_text()
+
+def test_the_baseline_is_sampled_once_and_then_read_from_its_cache(quickstart, tmp_path):
+    spec, ckpt = quickstart
+    cfg = SMALL_PROBE.model_copy(update={"n": 2})
+    runs = [
+        probe_checkpoint(
+            str(ckpt), cfg, spec.model, tmp_path / "cache", lora_cfg=spec.lora, baseline_cache=tmp_path / "base"
+        ).to_dict()
+        for _ in range(2)
+    ]
+    assert [r["baseline"]["cached"] for r in runs] == [False, True]
+    assert runs[0]["baseline"]["samples"] == runs[1]["baseline"]["samples"]
+
+
+def test_the_format_check_applies_only_when_the_rewards_ask_for_a_tag(quickstart):
+    from trainer.config import RewardConfig
+
+    spec, _ = quickstart
+    assert format_tag_for(ProbeConfig(), spec.rewards) == "output"  # the quickstart's exact_answer reads <output>
+    assert format_tag_for(ProbeConfig(), [RewardConfig(name="numeric_answer")]) is None
+    assert format_tag_for(ProbeConfig(format_tag="answer"), [RewardConfig(name="numeric_answer")]) == "answer"
+    assert format_tag_for(ProbeConfig(format_tag=False), spec.rewards) is None
 
 
 def test_prompt_file_errors_name_the_line(tmp_path):
@@ -318,7 +403,9 @@ def test_prompt_file_errors_name_the_line(tmp_path):
 
 FINE = {
     "short answer": "<output>7</output>",
-    "code that belongs in the answer": "<output>\ndef add(a, b):\n    return {'sum': a + b, 'parts': [a, b]}\n</output>",
+    "code that belongs in the answer": (
+        "<output>\ndef add(a, b):\n    return {'sum': a + b, 'parts': [a, b]}\n</output>"
+    ),
     "answer with a short explanation": "20 + 50 = 70 and 3 + 8 = 11, so <output>81</output>",
 }
 MALFORMED = {
@@ -344,8 +431,9 @@ def test_each_kind_of_malformed_completion_is_named(reason):
 
 # ── the page ───────────────────────────────────────────────────────────────────────────────────────
 
+
 def test_html_page_shows_verdict_counts_and_escaped_samples(healthy_report, tmp_path):
-    page = write_probe_html(healthy_report, tmp_path / "probe.html").read_text()
+    page = ProbeReport.from_dict(healthy_report).write_html(tmp_path / "probe.html").read_text()
     assert "PASSED" in page and "Wilson interval" in page and "Per prompt" in page
     assert "&lt;output&gt;" in page and "<output>" not in page.split("<body>", 1)[1]
     assert page.count("<tr class=") >= healthy_report["n_samples"]
@@ -361,12 +449,27 @@ def test_model_config_from_manifest_names_the_base(quickstart):
 
 # ── the command ────────────────────────────────────────────────────────────────────────────────────
 
+
 def test_cli_probe_passes_with_exit_0_and_writes_json_and_html(quickstart, tmp_path, capsys):
     from flows.cli import main
 
     _, ckpt = quickstart
-    rc = main(["probe", str(ckpt), "--n", "2", "--max-tokens", "32", "--json", str(tmp_path / "r.json"),
-               "--html", str(tmp_path / "r.html"), "--cache-dir", str(tmp_path / "cache")])
+    rc = main(
+        [
+            "probe",
+            str(ckpt),
+            "--n",
+            "2",
+            "--max-tokens",
+            "32",
+            "--json",
+            str(tmp_path / "r.json"),
+            "--html",
+            str(tmp_path / "r.html"),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+        ]
+    )
     assert rc == 0
     assert "probe PASSED" in capsys.readouterr().out
     report = json.loads((tmp_path / "r.json").read_text())
@@ -377,7 +480,7 @@ def test_cli_probe_passes_with_exit_0_and_writes_json_and_html(quickstart, tmp_p
 def test_cli_probe_fails_with_exit_1_and_the_reason(quickstart, tmp_path, capsys):
     from flows.cli import main
 
-    broken = variant(quickstart, tmp_path, scale_lora_b(16.0))
+    broken = variant(quickstart, tmp_path, scale_lora_b(256.0))
     assert main(["probe", str(broken), "--n", "2", "--max-tokens", "32", "--cache-dir", str(tmp_path / "cache")]) == 1
     out = capsys.readouterr().out
     assert "probe FAILED" in out and "FAILURE: parity failed" in out

@@ -5,6 +5,7 @@ metrics cannot see. Each ref trains the same tiny spec with its own code (a work
 every final artifact is probed by this checkout's probe, and the two sides are compared: good vs
 defect is a regression, good vs good-docs is not, and each records one MLflow comparison run.
 """
+
 import json
 import os
 import re
@@ -19,8 +20,12 @@ import yaml
 from tests.conftest import REPO
 
 CODE = ["flows", "tasks", "trainer", "sweeps", "infra", "examples", "pyproject.toml"]
-GIT_ENV = {"GIT_AUTHOR_NAME": "ballast-test", "GIT_AUTHOR_EMAIL": "test@ballast.invalid",
-           "GIT_COMMITTER_NAME": "ballast-test", "GIT_COMMITTER_EMAIL": "test@ballast.invalid"}
+GIT_ENV = {
+    "GIT_AUTHOR_NAME": "ballast-test",
+    "GIT_AUTHOR_EMAIL": "test@ballast.invalid",
+    "GIT_COMMITTER_NAME": "ballast-test",
+    "GIT_COMMITTER_EMAIL": "test@ballast.invalid",
+}
 DEFECT = '''
 
 def _injected_defect_scale_lora_b(directory, factor):
@@ -34,7 +39,9 @@ def _injected_defect_scale_lora_b(directory, factor):
 
 
 def git(repo: Path, *args: str) -> str:
-    proc = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, env={**os.environ, **GIT_ENV})
+    proc = subprocess.run(
+        ["git", "-C", str(repo), *args], capture_output=True, text=True, env={**os.environ, **GIT_ENV}
+    )
     assert proc.returncode == 0, f"git {' '.join(args)}: {proc.stderr}"
     return proc.stdout.strip()
 
@@ -43,9 +50,11 @@ def inject_defect(checkpoint_py: Path) -> None:
     """After the line that saves the adapter, scale what was saved."""
     source = checkpoint_py.read_text()
     anchor = re.search(r"^( *)model\.save_pretrained\(tmp / .*$", source, re.MULTILINE)
-    assert anchor, "trainer/checkpoint.py no longer saves with `model.save_pretrained(tmp / ...)`; update the defect injection"
+    assert anchor, (
+        "trainer/checkpoint.py no longer saves with `model.save_pretrained(tmp / ...)`; update the defect injection"
+    )
     line = f"\n{anchor.group(1)}_injected_defect_scale_lora_b(tmp, 16.0)"
-    checkpoint_py.write_text(source[:anchor.end()] + line + source[anchor.end():] + DEFECT)
+    checkpoint_py.write_text(source[: anchor.end()] + line + source[anchor.end() :] + DEFECT)
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +90,11 @@ def spec_file(tiny_model, tmp_path_factory) -> Path:
         "project_dir": str(project),
         "lora": {"r": 8, "alpha": 16},
         "data": {"num_prompts": 64, "num_eval_prompts": 8},
-        "rewards": [{"name": "exact_answer"}, {"name": "format", "weight": 0.2},  # length: spread in every group
-                    {"name": "length_penalty", "weight": 0.1, "kwargs": {"target_chars": 10}}],
+        "rewards": [
+            {"name": "exact_answer"},
+            {"name": "format", "weight": 0.2},  # length: spread in every group
+            {"name": "length_penalty", "weight": 0.1, "kwargs": {"target_chars": 10}},
+        ],
         "grpo": {"num_generations": 4, "prompts_per_step": 2},
         "rollout": {"max_tokens": 24},
         "optim": {"steps": 3, "learning_rate": 2e-3},
@@ -101,7 +113,8 @@ def prefect_home(tmp_path_factory) -> Path:
 
 
 def regress(spec_file: Path, repo: Path, work: Path, prefect_home: Path, *refs: str) -> subprocess.CompletedProcess:
-    """`ballast regress` as a user runs it: its own process, Prefect's local ephemeral API (state in a temporary home)."""
+    """`ballast regress` as a user runs it: its own process, Prefect's local ephemeral API (state in a
+    temporary home)."""
     args = [sys.executable, "-m", "flows.cli", "regress", str(spec_file), "--repo", str(repo), "--work-dir", str(work)]
     for ref in refs:
         args += ["--ref", ref]
@@ -129,7 +142,7 @@ def test_a_ref_with_a_defect_in_the_saver_is_a_regression(repo, spec_file, prefe
     assert result["a"]["parity_ok"] and not result["b"]["parity_ok"] and result["parity_regression"]
     assert result["rate_regression"] and result["p_value"] < 0.01  # and its outputs are malformed far more often
     assert result["b"]["n_malformed"] > result["a"]["n_malformed"]
-    assert result["a"]["n_samples"] == result["b"]["n_samples"] == 4 * 4  # 4 default prompts x n=4
+    assert result["a"]["n_samples"] == result["b"]["n_samples"] == 8 * 4  # probe.num_prompts held-out prompts x n=4
     probe_b = json.loads((tmp_path / "work" / "probes" / "b-0.json").read_text())
     assert probe_b["code_ref"]["commit"] == result["refs"]["b"]["commit"]  # the defect ref's code wrote it
     run_id = re.search(r"MLflow run: (\w+)", out).group(1)

@@ -2,6 +2,7 @@
 pipeline as the run command over the validated spec, the trainer/vLLM GPU split, and secrets passed by
 name, never written. Nothing is provisioned here (no cloud or Kubernetes can be reached): `--dryrun`
 and SkyPilot's own task schema are the real components under test."""
+
 import pytest
 import yaml
 
@@ -10,8 +11,12 @@ from infra.skypilot import LaunchError, plan_launch, to_sky_task
 from tasks.spec import dump_spec, load_spec
 from tests.conftest import REPO
 
-SPEC = {"name": "Big Run_1", "model": {"name_or_path": "Qwen/Qwen2.5-0.5B-Instruct"}, "rollout": {"engine": "vllm"},
-        "infra": {"accelerators": "H200:2", "cloud": "k8s", "env": ["HF_TOKEN"]}}
+SPEC = {
+    "name": "Big Run_1",
+    "model": {"name_or_path": "Qwen/Qwen2.5-0.5B-Instruct"},
+    "rollout": {"engine": "vllm"},
+    "infra": {"accelerators": "H200:2", "cloud": "k8s", "env": ["HF_TOKEN"]},
+}
 
 
 def spec_file(tmp_path, **changes):
@@ -34,7 +39,7 @@ def test_dryrun_writes_a_task_skypilot_accepts_running_the_validated_spec(tmp_pa
     assert task.num_nodes == 1 and task.workdir == str(REPO)
     assert "bash scripts/install.sh" in task.setup and "bash scripts/vllm_env.sh --gpu" in task.setup
     assert task.run == "python3 -m flows.cli run ~/.ballast-launch/ballast-big-run-1.yaml"
-    (remote, local), = config["file_mounts"].items()
+    ((remote, local),) = config["file_mounts"].items()
     assert remote == "~/.ballast-launch/ballast-big-run-1.yaml"
     node_spec = load_spec(local)  # what the node runs: the validated spec, overrides applied, GPUs split
     assert node_spec.optim.steps == 200
@@ -50,7 +55,9 @@ def test_secrets_are_names_in_the_yaml_and_values_only_in_the_launched_task(tmp_
     assert "hf_sekret_value" not in written and "HF_TOKEN" in written
     assert "hf_sekret_value" not in plan.spec_yaml
     launched = to_sky_task(plan.task_config(tmp_path / "s.yaml", with_secret_values=True))
-    assert {k: v.get_secret_value() for k, v in launched.secrets.items()} == {"HF_TOKEN": "hf_sekret_value"}  # SkyPilot keeps it redacted
+    assert {k: v.get_secret_value() for k, v in launched.secrets.items()} == {
+        "HF_TOKEN": "hf_sekret_value"
+    }  # SkyPilot keeps it redacted
     assert "HF_TOKEN" not in launched.envs
 
 
@@ -62,18 +69,38 @@ def test_a_secret_that_is_not_set_here_is_refused_naming_it(tmp_path, monkeypatc
     assert not (tmp_path / "project" / "launch").exists() or not any((tmp_path / "project" / "launch").iterdir())
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("infra.accelerators", "H200:x", "infra.accelerators='H200:x' is not NAME or NAME:COUNT"),
-    ("infra.cloud", "nosuchcloud", "SkyPilot refused the task"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("infra.accelerators", "H200:x", "infra.accelerators='H200:x' is not NAME or NAME:COUNT"),
+        ("infra.cloud", "nosuchcloud", "SkyPilot refused the task"),
+    ],
+)
 def test_invalid_infra_is_refused_with_exit_2(tmp_path, capsys, field, value, message):
-    assert main(["launch", str(spec_file(tmp_path, infra={"accelerators": "H100"})), "--dryrun", "--set", f"{field}={value}"]) == 2
+    assert (
+        main(
+            [
+                "launch",
+                str(spec_file(tmp_path, infra={"accelerators": "H100"})),
+                "--dryrun",
+                "--set",
+                f"{field}={value}",
+            ]
+        )
+        == 2
+    )
     assert message in capsys.readouterr().err
 
 
 def test_devices_the_spec_sets_are_kept_and_one_gpu_shares(tmp_path):
-    spec = load_spec(spec_file(tmp_path, model={"name_or_path": "m", "device": "cuda:1"}, infra={"accelerators": "H200:2"},
-                               rollout={"engine": "vllm", "device": "cuda:0"}))
+    spec = load_spec(
+        spec_file(
+            tmp_path,
+            model={"name_or_path": "m", "device": "cuda:1"},
+            infra={"accelerators": "H200:2"},
+            rollout={"engine": "vllm", "device": "cuda:0"},
+        )
+    )
     _, node_spec = plan_launch(spec, REPO, dump_spec=dump_spec)
     assert (node_spec.model.device, node_spec.rollout.device) == ("cuda:1", "cuda:0")
     one = load_spec(spec_file(tmp_path, infra={"accelerators": "H100:1"}))
@@ -85,8 +112,14 @@ def test_launch_warns_when_results_would_stay_on_the_node(tmp_path):
     spec = load_spec(spec_file(tmp_path, infra={"accelerators": "H100:1"}))
     plan, _ = plan_launch(spec, REPO, dump_spec=dump_spec)
     assert any(n.startswith("tracking.uri is unset") for n in plan.notes)
-    kept = load_spec(spec_file(tmp_path, infra={"accelerators": "H100:1"}, tracking={"uri": "postgresql://db/mlflow"},
-                               storage={"uri": "s3://bucket/ballast"}))
+    kept = load_spec(
+        spec_file(
+            tmp_path,
+            infra={"accelerators": "H100:1"},
+            tracking={"uri": "postgresql://db/mlflow"},
+            storage={"uri": "s3://bucket/ballast"},
+        )
+    )
     plan, _ = plan_launch(kept, REPO, dump_spec=dump_spec)
     assert not any("lost" in n for n in plan.notes)
 

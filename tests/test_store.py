@@ -1,4 +1,4 @@
-"""The artifact store, on local disk and on S3 (a moto server): what goes in comes out, verified."""
+"""The artifact store (infra/store.py), on local disk and on S3 (a moto server): what goes in comes out, verified."""
 
 from __future__ import annotations
 
@@ -9,22 +9,24 @@ from pathlib import Path
 
 import pytest
 
-from infra import s3
-from tasks.store import (
+from infra.store import (
     BucketNotFound,
     ChecksumError,
     LocalStore,
+    S3Settings,
     S3Store,
     StoreUnavailable,
     fetch,
     open_store,
+    parse_s3_uri,
+    s3_client,
 )
 
 MiB = 1024 * 1024
 # Small parts so that a 12 MiB file goes multipart (S3's smallest part is 5 MiB).
-SMALL_PARTS = s3.S3Settings(multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB, max_concurrency=2)
+SMALL_PARTS = S3Settings(multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB, max_concurrency=2)
 # Give up on an unreachable endpoint at once: no retries, short timeouts.
-IMPATIENT = s3.S3Settings(max_retries=0, connect_timeout_s=1, read_timeout_s=1)
+IMPATIENT = S3Settings(max_retries=0, connect_timeout_s=1, read_timeout_s=1)
 
 
 def make_checkpoint(root: Path, name: str = "step-000010", seed: int = 0, extra: dict | None = None) -> Path:
@@ -63,6 +65,7 @@ def checkpoint(tmp_path) -> Path:
 
 
 # --- directories -----------------------------------------------------------------------------
+
 
 def test_put_dir_then_get_dir_returns_every_file_unchanged(store, checkpoint, tmp_path):
     uri = store.put_dir(checkpoint, "run-1/step-000010")
@@ -178,11 +181,14 @@ def test_a_file_above_the_multipart_threshold_round_trips(store, tmp_path):
 
     assert tree(got) == tree(tmp_path / "src")
     if isinstance(store, S3Store):
-        head = s3.head(s3.s3_client(), store.bucket, "runs/run-1/step-000010/adapter/adapter_model.safetensors")
+        head = s3_client().head_object(
+            Bucket=store.bucket, Key="runs/run-1/step-000010/adapter/adapter_model.safetensors"
+        )
         assert head["ETag"].strip('"').endswith("-3")  # three 5 MiB parts: a multipart upload
 
 
 # --- files -----------------------------------------------------------------------------------
+
 
 def test_put_file_then_get_file_round_trips(store, tmp_path):
     src = tmp_path / "report.json"
@@ -218,6 +224,7 @@ def test_paths_that_leave_the_root_are_refused(store, checkpoint):
 
 # --- opening, fetching, failures ---------------------------------------------------------------
 
+
 def test_open_store_accepts_local_paths_file_uris_and_s3_uris(tmp_path):
     assert isinstance(open_store(str(tmp_path)), LocalStore)
     assert open_store(f"file://{tmp_path}").uri == str(tmp_path)
@@ -233,10 +240,10 @@ def test_open_store_rejects_an_unknown_scheme():
 
 
 def test_parse_s3_uri_splits_bucket_and_key_and_rejects_other_uris():
-    assert s3.parse_s3_uri("s3://bucket/runs/run-1") == ("bucket", "runs/run-1")
-    assert s3.parse_s3_uri("s3://bucket") == ("bucket", "")
+    assert parse_s3_uri("s3://bucket/runs/run-1") == ("bucket", "runs/run-1")
+    assert parse_s3_uri("s3://bucket") == ("bucket", "")
     with pytest.raises(ValueError, match="not an S3 URI: '/tmp/x'"):
-        s3.parse_s3_uri("/tmp/x")
+        parse_s3_uri("/tmp/x")
 
 
 def test_fetch_returns_a_local_directory_as_it_is(checkpoint, tmp_path):

@@ -7,6 +7,7 @@ configuration is pruned by the health gate within a few steps, its reason on the
 resumes into the same study; a worker killed mid-trial leaves a failed, uncounted trial and the
 resumed sweep still completes the requested count.
 """
+
 import os
 import signal
 import subprocess
@@ -28,19 +29,32 @@ HEALTHY_LR, COLLAPSE_LR, OTHER_LR = 1e-3, 0.8, 3e-3
 def prefect_api():
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
+
     with prefect_test_harness(server_startup_timeout=180):
         yield PREFECT_API_URL.value()
 
 
 def sweep_file(path, tiny_model, project, **fields):
     """A sweep over the learning rate of 4-step trials on the tiny model (base spec inline)."""
-    base = tiny_spec(tiny_model, name="sweep-test", project_dir=str(project), probe={"enabled": False},
-                     optim={"steps": 4, "learning_rate": HEALTHY_LR}, checkpoint={"every": 100, "keep_last": 1},
-                     health={"patience": 2})
-    data = {"study": "lr-sweep", "base": base,
-            "space": {"optim.learning_rate": {"type": "categorical", "choices": [HEALTHY_LR, COLLAPSE_LR, OTHER_LR]}},
-            "sampler": {"type": "grid"}, "pruner": {"type": "none"}, "trials": 2, "seed": 0,
-            "heartbeat": {"interval": 1, "grace_period": 3}}
+    base = tiny_spec(
+        tiny_model,
+        name="sweep-test",
+        project_dir=str(project),
+        probe={"enabled": False},
+        optim={"steps": 4, "learning_rate": HEALTHY_LR},
+        checkpoint={"every": 100, "keep_last": 1},
+        health={"patience": 2},
+    )
+    data = {
+        "study": "lr-sweep",
+        "base": base,
+        "space": {"optim.learning_rate": {"type": "categorical", "choices": [HEALTHY_LR, COLLAPSE_LR, OTHER_LR]}},
+        "sampler": {"type": "grid"},
+        "pruner": {"type": "none"},
+        "trials": 2,
+        "seed": 0,
+        "heartbeat": {"interval": 1, "grace_period": 3},
+    }
     data.update(fields)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
@@ -48,6 +62,7 @@ def sweep_file(path, tiny_model, project, **fields):
 
 def ballast(*args) -> int:
     from flows.cli import main
+
     return main([str(a) for a in args])
 
 
@@ -68,28 +83,41 @@ def runs_of(client, parent_id):
 
 # ── sweep files ────────────────────────────────────────────────────────────────────────────────────
 
+
 def base_sweep(tiny_model, tmp_path):
     return yaml.safe_load(sweep_file(tmp_path / "s.yaml", tiny_model, tmp_path / "p").read_text())
 
 
-@pytest.mark.parametrize("change, named", [
-    (lambda d: d.update(sampler_type="tpe"), "'sampler_type'"),
-    (lambda d: d["space"].update({"optim.lr": {"type": "float", "low": 1e-4, "high": 1e-2}}), "'space.optim.lr'"),
-    (lambda d: d["space"].update({"lora": {"type": "categorical", "choices": [1]}}), "'space.lora'"),
-    (lambda d: d["space"].update({"lora.r": {"type": "categorical"}}), "'space.lora.r'"),
-    (lambda d: d["space"].update({"grpo.beta": {"type": "float", "low": 0.1, "high": 0.01}}), "'space.grpo.beta'"),
-    (lambda d: d["space"].update({"grpo.beta": {"type": "float", "low": 0.0, "high": 0.1, "log": True}}), "'space.grpo.beta'"),
-    (lambda d: d["space"].update({"lora.r": {"type": "int", "low": 0, "high": 16}}), "'space.lora.r'"),
-    (lambda d: d.update(overrides={"optim.stepz": 3}), "'overrides.optim.stepz'"),
-    (lambda d: d.update(objectives=[{"metric": "eval/reward", "direction": "upward"}]), "'objectives.0.direction'"),
-    (lambda d: d.update(objectives=[{"metric": "rewrd"}]), "'objectives.0'"),
-    (lambda d: d["space"].update({"grpo.beta": {"type": "float", "low": 0.01, "high": 0.1}}), "'sampler'"),
-    (lambda d: d.update(trials=9), "'trials'"),
-    (lambda d: d.update(objectives=[{"metric": "eval/reward"}, {"metric": "stability", "direction": "minimize"}],
-                        pruner={"type": "median"}), "pruner"),
-])
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (lambda d: d.update(sampler_type="tpe"), "'sampler_type'"),
+        (lambda d: d["space"].update({"optim.lr": {"type": "float", "low": 1e-4, "high": 1e-2}}), "'space.optim.lr'"),
+        (lambda d: d["space"].update({"lora": {"type": "categorical", "choices": [1]}}), "'space.lora'"),
+        (lambda d: d["space"].update({"lora.r": {"type": "categorical"}}), "'space.lora.r'"),
+        (lambda d: d["space"].update({"grpo.beta": {"type": "float", "low": 0.1, "high": 0.01}}), "'space.grpo.beta'"),
+        (
+            lambda d: d["space"].update({"grpo.beta": {"type": "float", "low": 0.0, "high": 0.1, "log": True}}),
+            "'space.grpo.beta'",
+        ),
+        (lambda d: d["space"].update({"lora.r": {"type": "int", "low": 0, "high": 16}}), "'space.lora.r'"),
+        (lambda d: d.update(overrides={"optim.stepz": 3}), "'overrides.optim.stepz'"),
+        (lambda d: d.update(objectives=[{"metric": "eval/reward", "direction": "upward"}]), "'objectives.0.direction'"),
+        (lambda d: d.update(objectives=[{"metric": "rewrd"}]), "'objectives.0'"),
+        (lambda d: d["space"].update({"grpo.beta": {"type": "float", "low": 0.01, "high": 0.1}}), "'sampler'"),
+        (lambda d: d.update(trials=9), "'trials'"),
+        (
+            lambda d: d.update(
+                objectives=[{"metric": "eval/reward"}, {"metric": "stability", "direction": "minimize"}],
+                pruner={"type": "median"},
+            ),
+            "pruner",
+        ),
+    ],
+)
 def test_invalid_sweep_files_are_rejected_naming_the_field(tiny_model, tmp_path, change, named):
     from sweeps.space import SweepError, load_sweep
+
     data = base_sweep(tiny_model, tmp_path)
     change(data)
     path = tmp_path / "bad.yaml"
@@ -111,11 +139,15 @@ def test_a_bad_sweep_file_exits_2_before_any_study_exists(tiny_model, tmp_path, 
 
 def test_suggest_asks_float_log_int_and_categorical_define_by_run():
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
     from sweeps.space import ParamSpec, suggest
-    space = {"optim.learning_rate": ParamSpec(type="float", low=1e-5, high=0.5, log=True),
-             "grpo.num_generations": ParamSpec(type="int", low=4, high=16, step=4),
-             "lora.r": ParamSpec(type="categorical", choices=[4, 8, 16]),
-             "rollout.repetition_penalty": ParamSpec(type="float", low=1.0, high=1.3)}
+
+    space = {
+        "optim.learning_rate": ParamSpec(type="float", low=1e-5, high=0.5, log=True),
+        "grpo.num_generations": ParamSpec(type="int", low=4, high=16, step=4),
+        "lora.r": ParamSpec(type="categorical", choices=[4, 8, 16]),
+        "rollout.repetition_penalty": ParamSpec(type="float", low=1.0, high=1.3),
+    }
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     seen = []
     for _ in range(30):
@@ -136,10 +168,19 @@ def test_suggest_asks_float_log_int_and_categorical_define_by_run():
 
 def test_a_trial_spec_is_base_plus_overrides_plus_the_trials_values(tiny_model, tmp_path):
     from sweeps.space import load_sweep, trial_spec
-    path = sweep_file(tmp_path / "s.yaml", tiny_model, tmp_path / "p", overrides={"grpo.beta": 0.1, "rollout.max_tokens": 20})
+
+    path = sweep_file(
+        tmp_path / "s.yaml", tiny_model, tmp_path / "p", overrides={"grpo.beta": 0.1, "rollout.max_tokens": 20}
+    )
     sweep = load_sweep(path)
     spec = trial_spec(sweep, {"optim.learning_rate": 0.8, "lora.r": 4}, name="t-3")
-    assert (spec.grpo.beta, spec.rollout.max_tokens, spec.optim.learning_rate, spec.lora.r, spec.name) == (0.1, 20, 0.8, 4, "t-3")
+    assert (spec.grpo.beta, spec.rollout.max_tokens, spec.optim.learning_rate, spec.lora.r, spec.name) == (
+        0.1,
+        20,
+        0.8,
+        4,
+        "t-3",
+    )
     assert spec.health.enabled and spec.health.patience == 2
     sweep.prune_collapsed = False
     assert trial_spec(sweep, {}).health.enabled is False
@@ -148,6 +189,7 @@ def test_a_trial_spec_is_base_plus_overrides_plus_the_trials_values(tiny_model, 
 def test_stability_is_the_closest_approach_to_a_health_threshold():
     from sweeps.space import stability
     from trainer.config import HealthConfig
+
     history = [{"kl": 0.25, "completions/clipped_ratio": 0.0}, {"kl": 0.5, "health/ngram_repetition": 0.3}]
     assert stability(history, HealthConfig(kl_max=1.0, ngram_repetition_max=0.6)) == pytest.approx(0.5)
     assert stability(history, HealthConfig(kl_max=0.25, ngram_repetition_max=0.6)) == pytest.approx(2.0)
@@ -157,13 +199,29 @@ def synthetic_study(sweep, values_of):
     """A finished in-memory study: 4 completed trials and one pruned by the health gate."""
     from optuna.distributions import CategoricalDistribution, FloatDistribution
     from optuna.trial import TrialState, create_trial
+
     study = optuna.create_study(directions=sweep.directions)
-    dists = {"optim.learning_rate": FloatDistribution(1e-4, 0.5, log=True), "lora.r": CategoricalDistribution([4, 8, 16])}
+    dists = {
+        "optim.learning_rate": FloatDistribution(1e-4, 0.5, log=True),
+        "lora.r": CategoricalDistribution([4, 8, 16]),
+    }
     for i, (lr, r) in enumerate([(1e-3, 4), (3e-3, 8), (1e-2, 16), (3e-4, 8)]):
-        study.add_trial(create_trial(params={"optim.learning_rate": lr, "lora.r": r}, distributions=dists, values=values_of(i),
-                                     user_attrs={"last_step": 8}))
-    study.add_trial(create_trial(state=TrialState.PRUNED, params={"optim.learning_rate": 0.4, "lora.r": 4}, distributions=dists,
-                                 user_attrs={"last_step": 3, "pruned_by": "health_gate", "prune_reason": "collapsed: kl=3 > 1"}))
+        study.add_trial(
+            create_trial(
+                params={"optim.learning_rate": lr, "lora.r": r},
+                distributions=dists,
+                values=values_of(i),
+                user_attrs={"last_step": 8},
+            )
+        )
+    study.add_trial(
+        create_trial(
+            state=TrialState.PRUNED,
+            params={"optim.learning_rate": 0.4, "lora.r": 4},
+            distributions=dists,
+            user_attrs={"last_step": 3, "pruned_by": "health_gate", "prune_reason": "collapsed: kl=3 > 1"},
+        )
+    )
     return study
 
 
@@ -171,18 +229,19 @@ def synthetic_study(sweep, values_of):
 def test_summary_names_the_best_trial_or_pareto_set_and_draws_the_plots(tiny_model, tmp_path, objectives):
     from sweeps.report import plot_study, summarize
     from sweeps.space import load_sweep
+
     fields = {"objectives": [{"metric": "eval/reward"}, {"metric": "stability", "direction": "minimize"}][:objectives]}
     if objectives == 2:
         fields["pruner"] = {"type": "none"}
     sweep = load_sweep(sweep_file(tmp_path / "s.yaml", tiny_model, tmp_path / "p", **fields))
     study = synthetic_study(sweep, lambda i: [0.1 * (i + 1), [0.9, 0.05, 0.5, 0.1][i]][:objectives])
     s = summarize(study, sweep)
-    assert s["states"] == {"COMPLETE": 4, "PRUNED": 1} and s["trial_steps"] == 35 and s["pruned_by_health_gate"] == 1
+    assert s.states == {"COMPLETE": 4, "PRUNED": 1} and s.trial_steps == 35 and s.pruned_by_health_gate == 1
     if objectives == 1:
-        assert s["best"]["number"] == 3 and s["best"]["values"] == {"eval/reward": pytest.approx(0.4)}
-        assert set(s["importances"]["eval/reward"]) == {"optim.learning_rate", "lora.r"}
+        assert s.best["number"] == 3 and s.best["values"] == {"eval/reward": pytest.approx(0.4)}
+        assert set(s.importances["eval/reward"]) == {"optim.learning_rate", "lora.r"}
     else:
-        assert sorted(r["number"] for r in s["pareto"]) == [1, 3]  # (0.2, 0.05) and (0.4, 0.1): nothing beats them on both
+        assert sorted(r["number"] for r in s.pareto) == [1, 3]  # (0.2, 0.05) and (0.4, 0.1): nothing beats them on both
     plots, skipped = plot_study(study, sweep, tmp_path / "plots")
     names = {p.stem for p in plots}
     assert {"optimization_history", "parallel_coordinate", "slice"} <= names, skipped
@@ -190,6 +249,7 @@ def test_summary_names_the_best_trial_or_pareto_set_and_draws_the_plots(tiny_mod
 
 
 # ── a sweep end to end ─────────────────────────────────────────────────────────────────────────────
+
 
 @pytest.fixture(scope="module")
 def finished_sweep(tiny_model, tmp_path_factory, prefect_api):
@@ -204,8 +264,16 @@ def finished_sweep(tiny_model, tmp_path_factory, prefect_api):
     children = runs_of(client, parent_id)
     artifacts = {a.path for a in client.list_artifacts(parent_id, "summary")}
     artifacts |= {a.path for a in client.list_artifacts(parent_id, "summary/plots")}
-    return dict(rc=rc, root=root, project=project, path=path, trials=study.trials, parent=client.get_run(parent_id),
-                children=children, artifacts=artifacts)
+    return dict(
+        rc=rc,
+        root=root,
+        project=project,
+        path=path,
+        trials=study.trials,
+        parent=client.get_run(parent_id),
+        children=children,
+        artifacts=artifacts,
+    )
 
 
 def test_sweep_finishes_its_trials_and_exits_0(finished_sweep):
@@ -237,6 +305,7 @@ def test_sweep_summary_is_logged_to_the_parent_run(finished_sweep):
     assert "summary/plots/intermediate_values.png" in arts
     summary_json = finished_sweep["project"] / "sweeps" / "lr-sweep" / "summary.json"
     import json
+
     s = json.loads(summary_json.read_text())
     assert s["done"] and sum(s["states"].values()) == 2
     assert "optuna-dashboard sqlite:///" in s["dashboard"]
@@ -254,6 +323,58 @@ def test_a_collapsing_learning_rate_is_pruned_by_the_health_gate_within_a_few_st
     assert all(h.state.name == "COMPLETE" and h.user_attrs["last_step"] == 4 for h in healthy)
     run = next(r for r in finished_sweep["children"] if int(r.data.tags["ballast.trial_number"]) == t.number)
     assert run.data.tags["ballast.prune_reason"] == t.user_attrs["prune_reason"]
+
+
+def pipeline_states(study_name: str) -> dict[int, tuple[str, str]]:
+    """{trial number: (Prefect state type, state name)} of the sweep's pipeline flow runs."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["ballast-pipeline"])))
+    return {
+        int(r.parameters["tags"]["trial_number"]): (r.state.type.value, r.state.name)
+        for r in runs
+        if (r.parameters.get("tags") or {}).get("study") == study_name
+    }
+
+
+def test_a_collapsed_trial_is_failed_in_mlflow_and_named_collapsed_in_prefect(finished_sweep):
+    runs = {int(r.data.tags["ballast.trial_number"]): r for r in finished_sweep["children"]}
+    states = pipeline_states("lr-sweep")
+    for t in finished_sweep["trials"]:
+        if t.params["optim.learning_rate"] == COLLAPSE_LR:
+            assert (runs[t.number].info.status, runs[t.number].data.tags["ballast.status"]) == ("FAILED", "collapsed")
+            assert states[t.number] == ("FAILED", "Collapsed")
+        else:
+            assert (runs[t.number].info.status, runs[t.number].data.tags["ballast.status"]) == ("FINISHED", "finished")
+            assert states[t.number] == ("COMPLETED", "Completed")
+
+
+@pytest.mark.parametrize(
+    "status, state",
+    [
+        ("finished", ("COMPLETED", "Completed")),
+        ("collapsed", ("FAILED", "Collapsed")),
+        ("probe_failed", ("FAILED", "ProbeFailed")),
+        ("pruned", ("CANCELLED", "Pruned")),
+    ],
+)
+def test_a_pipeline_run_ends_in_a_prefect_state_named_for_how_it_ended(status, state):
+    from flows.pipeline import final_state
+    from tasks.summary import PipelineResult
+
+    result = PipelineResult(run_id="r", output_dir="/tmp/r", status=status)
+    ended = final_state(result)
+    assert (ended.type.value, ended.name) == state and ended.result(raise_on_failure=False) is result
+
+
+def test_a_trials_final_eval_is_logged_at_its_last_step_not_at_step_0(finished_sweep):
+    client = mlflow_client(finished_sweep["project"])
+    runs = {int(r.data.tags["ballast.trial_number"]): r for r in finished_sweep["children"]}
+    for t in finished_sweep["trials"]:  # a collapsed trial's eval/reward must read as the trained model's
+        history = client.get_metric_history(runs[t.number].info.run_id, "eval/reward")
+        assert [m.step for m in history] == [t.user_attrs["last_step"]] and t.user_attrs["last_step"] > 0
 
 
 def test_rerunning_with_more_trials_continues_the_same_study(finished_sweep):
@@ -278,17 +399,149 @@ def test_a_changed_sweep_definition_is_refused_for_an_existing_study(finished_sw
     assert "different 'space'" in capsys.readouterr().err
 
 
+def test_a_sweep_with_no_completed_trial_says_so_exits_3_and_its_parent_run_is_failed(
+    tiny_model, tmp_path, prefect_api, capsys
+):
+    project = tmp_path / "project"
+    path = sweep_file(
+        tmp_path / "sweep.yaml",
+        tiny_model,
+        project,
+        trials=1,
+        space={"optim.learning_rate": {"type": "categorical", "choices": [COLLAPSE_LR]}},
+    )
+    assert ballast("sweep", path) == 3
+    assert "no trial completed" in capsys.readouterr().out
+    study = load(project)
+    assert [t.state.name for t in study.trials] == ["PRUNED"]
+    parent = mlflow_client(project).get_run(study.user_attrs["ballast.mlflow_parent_run_id"])
+    assert (parent.info.status, parent.data.tags["ballast.status"]) == ("FAILED", "no_completed_trial")
+
+
+# ── the study: seeds and the trial count ───────────────────────────────────────────────────────────
+
+
+def study_sweep(**fields):
+    from sweeps.space import load_sweep
+
+    sweep = {
+        "study": "s",
+        "base": {"model": {"name_or_path": "unused"}},
+        "seed": 0,
+        "space": {
+            "optim.learning_rate": {"type": "float", "low": 1e-4, "high": 0.5, "log": True},
+            "grpo.beta": {"type": "float", "low": 1e-3, "high": 0.2, "log": True},
+        },
+        "sampler": {"type": "tpe", "n_startup_trials": 4},
+    }
+    return load_sweep({**sweep, **fields})
+
+
+def test_a_resumed_study_never_reproposes_a_finished_trials_parameters(tmp_path):
+    """`--trials 5` after `--trials 3`, each a new process with a new sampler (as the CLI runs them)."""
+    from sweeps.space import suggest
+    from sweeps.study import make_storage, open_study, optimize
+
+    sweep, url = study_sweep(), f"sqlite:///{tmp_path / 'optuna.db'}"
+    for total in (3, 5):
+        study = open_study(sweep, make_storage(url), total)
+        optimize(study, lambda trial: suggest(trial, sweep.space)["optim.learning_rate"], log=lambda m: None)
+    params = [tuple(t.params.values()) for t in load(tmp_path, "s").trials]
+    assert len(params) == 5 and len(set(params)) == 5
+
+
+def test_a_new_study_is_reproducible_from_its_seed(tmp_path):
+    from sweeps.space import suggest
+    from sweeps.study import make_storage, open_study, optimize
+
+    sweep, seen = study_sweep(), []
+    for name in ("a", "b"):
+        sweep.study = name
+        study = open_study(sweep, make_storage(f"sqlite:///{tmp_path / 'optuna.db'}"), 3)
+        optimize(study, lambda trial: suggest(trial, sweep.space)["optim.learning_rate"], log=lambda m: None)
+        seen.append([t.params for t in study.trials])
+    assert seen[0] == seen[1]
+
+
+def test_grid_workers_and_resumes_never_repeat_a_grid_point(tmp_path):
+    """Three processes (two workers, then a resume) share a 3-point grid: the grid's numbering agrees between them."""
+    from sweeps.space import suggest
+    from sweeps.study import make_storage, open_study, optimize
+
+    sweep = study_sweep(
+        space={"optim.learning_rate": {"type": "categorical", "choices": [1e-3, 0.8, 3e-3]}},
+        sampler={"type": "grid"},
+        pruner={"type": "none"},
+    )
+    for worker, total in ((0, 1), (1, 2), (0, 3)):
+        study = open_study(sweep, make_storage(f"sqlite:///{tmp_path / 'optuna.db'}"), total, worker=worker)
+        optimize(study, lambda trial: suggest(trial, sweep.space)["optim.learning_rate"], log=lambda m: None)
+    assert sorted(t.params["optim.learning_rate"] for t in load(tmp_path, "s").trials) == [1e-3, 3e-3, 0.8]
+
+
+def test_the_worker_stops_at_the_total_of_complete_and_pruned_trials(tmp_path):
+    from sweeps.space import suggest
+    from sweeps.study import make_storage, open_study, optimize
+
+    def objective(trial):
+        value = suggest(trial, sweep.space)["optim.learning_rate"]
+        if trial.number % 2:
+            raise optuna.TrialPruned("odd")
+        return value
+
+    sweep = study_sweep()
+    study = open_study(sweep, make_storage(f"sqlite:///{tmp_path / 'optuna.db'}"), 4)
+    report = optimize(study, objective, log=lambda m: None)
+    assert report.states == {0: "COMPLETE", 1: "PRUNED", 2: "COMPLETE", 3: "PRUNED"}
+    assert len(study.trials) == 4
+
+
+def test_the_worker_stops_after_consecutive_failed_trials(tmp_path):
+    from sweeps.study import SweepWorkerError, make_storage, open_study, optimize
+
+    def objective(trial):
+        raise ValueError(f"bad trial {trial.number}")
+
+    study = open_study(study_sweep(), make_storage(f"sqlite:///{tmp_path / 'optuna.db'}"), 10)
+    failed = r"^3 trials in a row failed; the last \(trial 2\): ValueError: bad trial 2"
+    with pytest.raises(SweepWorkerError, match=failed):
+        optimize(study, objective, max_consecutive_failures=3, log=lambda m: None)
+    assert [t.state.name for t in study.trials] == ["FAIL"] * 3
+
+
 # ── a worker killed mid-trial ──────────────────────────────────────────────────────────────────────
+
 
 def test_a_worker_killed_mid_trial_leaves_an_uncounted_trial_and_the_sweep_completes(tiny_model, tmp_path, prefect_api):
     project = tmp_path / "project"
-    path = sweep_file(tmp_path / "sweep.yaml", tiny_model, project, trials=1, overrides={"optim.steps": 12},  # time to kill it
-                      space={"optim.learning_rate": {"type": "categorical", "choices": [HEALTHY_LR]}})
+    path = sweep_file(
+        tmp_path / "sweep.yaml",
+        tiny_model,
+        project,
+        trials=1,
+        overrides={"optim.steps": 12},  # time to kill it
+        space={"optim.learning_rate": {"type": "categorical", "choices": [HEALTHY_LR]}},
+    )
     assert ballast("sweep", path, "--workers", 0) == 0  # the study and parent run only
     env = dict(os.environ, PREFECT_API_URL=prefect_api)
-    worker = subprocess.Popen([sys.executable, "-c", "import sys; from flows.cli import main; sys.exit(main())", "sweep-worker",
-                               "--study", "lr-sweep", "--storage", f"sqlite:///{project / 'optuna.db'}", "--worker", "0"],
-                              cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from flows.cli import main; sys.exit(main())",
+            "sweep-worker",
+            "--study",
+            "lr-sweep",
+            "--storage",
+            f"sqlite:///{project / 'optuna.db'}",
+            "--worker",
+            "0",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.time() + 240
     try:
         while time.time() < deadline:  # kill once the trial has trained a step
@@ -312,6 +565,9 @@ def test_a_worker_killed_mid_trial_leaves_an_uncounted_trial_and_the_sweep_compl
     assert [t.state.name for t in rest] == ["COMPLETE"]  # exactly the requested count, the killed one not among them
     assert rest[0].params == killed.params  # its configuration was run again
     client = mlflow_client(project)
-    killed_run = next(r for r in runs_of(client, study.user_attrs["ballast.mlflow_parent_run_id"])
-                      if r.data.tags["ballast.trial_number"] == "0")
+    killed_run = next(
+        r
+        for r in runs_of(client, study.user_attrs["ballast.mlflow_parent_run_id"])
+        if r.data.tags["ballast.trial_number"] == "0"
+    )
     assert killed_run.info.status == "KILLED" and killed_run.data.tags["ballast.trial_state"] == "INTERRUPTED"

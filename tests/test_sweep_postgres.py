@@ -2,6 +2,7 @@
 test) and complete it together: exactly the requested number of finished trials, no trial run twice
 or lost, each with exactly one MLflow child run under the sweep's parent run.
 """
+
 import os
 import subprocess
 import sys
@@ -22,11 +23,14 @@ N_TRIALS = 4
 @pytest.fixture
 def database():
     import psycopg2  # a dependency of Ballast (psycopg2-binary); the team path is tested, never skipped
+
     name = f"ballast_sweep_{uuid.uuid4().hex[:10]}"
     try:
         conn = psycopg2.connect(f"{PG}/postgres", connect_timeout=5)
     except psycopg2.OperationalError as e:
-        raise RuntimeError(f"the team-path tests need PostgreSQL on 127.0.0.1:5432 with trust auth (see the README): {e}") from None
+        raise RuntimeError(
+            f"the team-path tests need PostgreSQL on 127.0.0.1:5432 with trust auth (see the README): {e}"
+        ) from None
     conn.autocommit = True
     with conn.cursor() as cur:
         cur.execute(f"CREATE DATABASE {name}")
@@ -40,27 +44,63 @@ def database():
 def prefect_api():
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
+
     with prefect_test_harness(server_startup_timeout=180):
         yield PREFECT_API_URL.value()
 
 
-def test_two_workers_on_postgres_complete_a_study_without_duplicated_or_lost_trials(tiny_model, tmp_path, database, prefect_api):
+def test_two_workers_on_postgres_complete_a_study_without_duplicated_or_lost_trials(
+    tiny_model, tmp_path, database, prefect_api
+):
     from flows.cli import main
+
     project = tmp_path / "project"
-    base = tiny_spec(tiny_model, name="pg-sweep", project_dir=str(project), probe={"enabled": False},
-                     optim={"steps": 6, "learning_rate": 1e-3}, checkpoint={"every": 100, "keep_last": 1})
-    sweep = {"study": "pg-sweep", "base": base, "trials": N_TRIALS, "sampler": {"type": "random"}, "pruner": {"type": "none"},
-             "space": {"optim.learning_rate": {"type": "float", "low": 1e-4, "high": 3e-3, "log": True},
-                       "lora.r": {"type": "categorical", "choices": [4, 8]}}}
+    base = tiny_spec(
+        tiny_model,
+        name="pg-sweep",
+        project_dir=str(project),
+        probe={"enabled": False},
+        optim={"steps": 6, "learning_rate": 1e-3},
+        checkpoint={"every": 100, "keep_last": 1},
+    )
+    sweep = {
+        "study": "pg-sweep",
+        "base": base,
+        "trials": N_TRIALS,
+        "sampler": {"type": "random"},
+        "pruner": {"type": "none"},
+        "space": {
+            "optim.learning_rate": {"type": "float", "low": 1e-4, "high": 3e-3, "log": True},
+            "lora.r": {"type": "categorical", "choices": [4, 8]},
+        },
+    }
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(sweep))
     assert main(["sweep", str(path), "--storage", database, "--workers", "0"]) == 0  # create the study only
 
     env = dict(os.environ, PREFECT_API_URL=prefect_api)
-    workers = [subprocess.Popen([sys.executable, "-c", "import sys; from flows.cli import main; sys.exit(main())",
-                                 "sweep-worker", "--study", "pg-sweep", "--storage", database, "--worker", str(i)],
-                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-               for i in range(2)]
+    workers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from flows.cli import main; sys.exit(main())",
+                "sweep-worker",
+                "--study",
+                "pg-sweep",
+                "--storage",
+                database,
+                "--worker",
+                str(i),
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outputs = [w.communicate(timeout=600)[0] for w in workers]
     assert [w.returncode for w in workers] == [0, 0], "\n".join(o[-3000:] for o in outputs)
 
@@ -68,7 +108,9 @@ def test_two_workers_on_postgres_complete_a_study_without_duplicated_or_lost_tri
     finished = [t for t in study.trials if t.state.name in ("COMPLETE", "PRUNED")]
     assert len(finished) == N_TRIALS and len(study.trials) == N_TRIALS  # none lost, none extra, none failed
     assert len({t.number for t in finished}) == N_TRIALS
-    assert {t.user_attrs["worker"].rsplit(":", 1)[1] for t in finished} == {str(w.pid) for w in workers}  # both took part
+    assert {t.user_attrs["worker"].rsplit(":", 1)[1] for t in finished} == {
+        str(w.pid) for w in workers
+    }  # both took part
 
     uri = f"sqlite:///{project / 'mlflow.db'}"
     mlflow.set_tracking_uri(uri)

@@ -1,59 +1,173 @@
-"""The artifact store: where checkpoints and reports live, on local disk or in S3.
+"""The artifact store: directories and files under one root, on local disk or in S3 (boto3).
 
-`open_store(uri)` takes a local path, a `file://` path or `s3://bucket/prefix` and returns an
-`ArtifactStore`; `LocalStore` and `S3Store` have the same interface. Paths given to a store are
-relative to its root (`"run-1/step-000120"`) or full URIs of the same kind. A checkpoint is a
-directory (`adapter/`, `state/`, `manifest.json` whose `"files"` maps relative path -> sha256).
+`open_store(uri)` takes a local path, `file:///path` or `s3://bucket/prefix`; `LocalStore` and `S3Store` have
+one interface. Paths are relative to the root (`"runs/<id>/checkpoints/step-000120"`) or full URIs of its kind.
+The choices, each for a failure we do not want to debug later:
 
-Choices, each for a failure we do not want to debug later:
-
-* **A reader never sees half a directory.** Locally, `put_dir` copies into a hidden temporary
-  sibling and renames it into place (an existing directory is moved aside first, then removed).
-  In S3, where there is no rename, `manifest.json` is uploaded *last* (and an old one deleted
-  *first*), so a manifest is only ever visible over a complete upload; stale keys from an older
-  upload to the same place are removed.
-* **Downloads are verified.** `get_dir` downloads into a temporary directory, checks every file
-  named in the manifest against its sha256, and only then renames it into place. A mismatch or a
-  missing file raises `ChecksumError`, and the partial copy is deleted.
-* **Errors say what to do.** An endpoint that cannot be reached after botocore's retries raises
-  `StoreUnavailable` naming the endpoint; a missing bucket raises `BucketNotFound` naming it; a
-  missing path raises `FileNotFoundError` naming the URI.
-* **No credentials in sight.** A store's repr/str shows its URI and endpoint only; credentials
-  stay inside boto3's chain (see `infra/s3.py`).
-
-Usage:
-
-    store = open_store("s3://my-bucket/ballast")        # or open_store(".ballast/artifacts")
-    uri = store.put_dir(Path("out/step-000120"), "run-1/step-000120")
-    local = fetch(uri, cache_dir=Path(".ballast/cache"))
+* **A reader never sees half a directory.** Locally, `put_dir` copies into a hidden sibling and renames it into
+  place. In S3, where there is no rename, `manifest.json` is uploaded *last* (an old one deleted *first*), so a
+  manifest is only ever visible over a complete upload; stale keys of an older upload are removed.
+* **Downloads are verified** against the manifest's sha256s (the checkpoint format's one verifier,
+  `trainer.checkpoint.verify_files`) in a staging directory, renamed into place only when whole.
+* **Errors say what to do**: `StoreUnavailable` names the endpoint, `BucketNotFound` the bucket,
+  `FileNotFoundError` the URI. `check()` asks the store once, with a short timeout, whether it can be used at
+  all, so that a run whose store is down fails at its start, not after training at its checkpoint stage.
+* **Standard AWS configuration, no credentials in sight.** boto3's own chain (`AWS_ACCESS_KEY_ID`, `AWS_PROFILE`,
+  roles; `AWS_ENDPOINT_URL[_S3]` for MinIO/moto); retries, timeouts and multipart sizes in `S3Settings`; a store's
+  repr shows its URI and endpoint only.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
 import shutil
 import uuid
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from urllib.parse import unquote, urlparse
 
+import boto3
 from boto3.exceptions import S3UploadFailedError
-from botocore.exceptions import (
-    ClientError,
-    ConnectionError as BotoConnectionError,
-    HTTPClientError,
-    NoCredentialsError,
-)
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+from botocore.exceptions import ClientError, HTTPClientError, NoCredentialsError
+from botocore.exceptions import ConnectionError as BotoConnectionError
 
-from infra import s3
+from trainer.checkpoint import CheckpointError, verify_files
+
+# --- S3 client and calls ------------------------------------------------------------------------
+
+MiB = 1024 * 1024
+DELETE_BATCH = 1000  # the most keys one DeleteObjects request accepts
+
+
+@dataclass(frozen=True)
+class S3Settings:
+    """How the client retries and times out, and when transfers go multipart."""
+
+    max_retries: int = 4  # retries after the first attempt (botocore's Config "max_attempts")
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 60.0
+    multipart_threshold: int = 64 * MiB  # files at least this large are sent in parts
+    multipart_chunksize: int = 16 * MiB  # part size; S3 requires >= 5 MiB for all parts but the last
+    max_concurrency: int = 8  # parts in flight at once for one file
+    check_retries: int = 1  # `check()` at the start of a run: a dead endpoint must fail it within seconds
+    check_timeout_s: float = 5.0  # connect and read timeout of that check (worst case ~2 x 2 x 5 s + backoff)
+
+
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    """Split `s3://bucket/some/key` into `("bucket", "some/key")`; the key may be empty."""
+    parsed = urlparse(uri)
+    if parsed.scheme != "s3" or not parsed.netloc:
+        raise ValueError(f"not an S3 URI: {uri!r}; expected the form s3://<bucket>/<key or prefix>")
+    return parsed.netloc, parsed.path.lstrip("/")
+
+
+def s3_client(
+    endpoint_url: str | None = None,
+    region: str | None = None,
+    settings: S3Settings | None = None,
+):
+    """An S3 client from the standard AWS chain, with retries and timeouts from `settings`.
+
+    `endpoint_url=None` lets boto3 take `AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL` or the AWS
+    default; `region=None` lets it take `AWS_DEFAULT_REGION` / `~/.aws/config`.
+    """
+    settings = settings or S3Settings()
+    config = Config(
+        # In a Config, botocore's "max_attempts" counts retries, not the first attempt.
+        retries={"max_attempts": settings.max_retries, "mode": "standard"},
+        connect_timeout=settings.connect_timeout_s,
+        read_timeout=settings.read_timeout_s,
+    )
+    # A session per client: boto3's default session is not safe to share between threads.
+    session = boto3.session.Session()
+    return session.client("s3", endpoint_url=endpoint_url, region_name=region, config=config)
+
+
+def transfer_config(settings: S3Settings | None = None) -> TransferConfig:
+    """The managed-transfer configuration: multipart threshold, part size, concurrency."""
+    settings = settings or S3Settings()
+    return TransferConfig(
+        multipart_threshold=settings.multipart_threshold,
+        multipart_chunksize=settings.multipart_chunksize,
+        max_concurrency=settings.max_concurrency,
+    )
+
+
+def _upload_file(client, local_path: Path | str, bucket: str, key: str, transfer: TransferConfig | None = None) -> None:
+    """Upload one file; multipart when it is above the transfer's threshold."""
+    client.upload_file(str(local_path), bucket, key, Config=transfer or transfer_config())
+
+
+def _download_file(
+    client, bucket: str, key: str, local_path: Path | str, transfer: TransferConfig | None = None
+) -> None:
+    """Download one object to `local_path` (its parent must exist)."""
+    client.download_file(bucket, key, str(local_path), Config=transfer or transfer_config())
+
+
+def _list_keys(client, bucket: str, prefix: str) -> list[str]:
+    """Every object key that starts with `prefix`, in S3's (lexicographic) order."""
+    keys: list[str] = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        keys.extend(obj["Key"] for obj in page.get("Contents", []))
+    return keys
+
+
+def _list_subprefixes(client, bucket: str, prefix: str) -> list[str]:
+    """The next level of "directories" under `prefix` (which should end in "/", or be "")."""
+    found: list[str] = []
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix, Delimiter="/")
+    for page in pages:
+        found.extend(p["Prefix"] for p in page.get("CommonPrefixes", []))
+    return found
+
+
+def _delete_prefix(client, bucket: str, prefix: str) -> int:
+    """Delete every object under `prefix`; returns how many. Refuses an empty prefix."""
+    if not prefix:
+        raise ValueError(f"refusing to delete every object in bucket {bucket!r}: give a non-empty prefix")
+    keys = _list_keys(client, bucket, prefix)
+    _delete_keys(client, bucket, keys)
+    return len(keys)
+
+
+def _delete_keys(client, bucket: str, keys: list[str]) -> None:
+    """Delete these objects, up to 1000 per request; raises if S3 reports any it could not delete."""
+    for start in range(0, len(keys), DELETE_BATCH):
+        batch = keys[start : start + DELETE_BATCH]
+        response = client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
+        errors = response.get("Errors", [])
+        if errors:
+            first = errors[0]
+            raise RuntimeError(
+                f"could not delete {len(errors)} object(s) in s3://{bucket}, "
+                f"e.g. {first.get('Key')!r}: {first.get('Code')} {first.get('Message')}"
+            )
+
+
+def _head(client, bucket: str, key: str) -> dict | None:
+    """The object's metadata (HeadObject response), or None when there is no such object."""
+    try:
+        return client.head_object(Bucket=bucket, Key=key)
+    except ClientError as err:
+        if err.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            return None
+        raise
+
+
+def _exists(client, bucket: str, key: str) -> bool:
+    """Whether an object with exactly this key exists."""
+    return _head(client, bucket, key) is not None
+
 
 MANIFEST = "manifest.json"
 TMP_MARK = ".ballast-tmp-"  # names of staging / moved-aside directories; never listed
-HASH_CHUNK = 1024 * 1024
 
 
 class ChecksumError(ValueError):
@@ -70,54 +184,29 @@ class BucketNotFound(FileNotFoundError):
 
 # --- manifest verification -------------------------------------------------------------------
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(HASH_CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
 
 def verify_manifest(local_dir: Path, source: str) -> None:
-    """Check every file the manifest of `local_dir` names against its sha256.
-
-    A directory without `manifest.json`, or a manifest without a "files" map, has nothing to
-    verify. `source` (where the copy came from) is named in the error.
-    """
+    """Check every file the manifest of `local_dir` names against its sha256 (nothing to check without one)."""
     manifest_path = local_dir / MANIFEST
     if not manifest_path.is_file():
         return
     try:
         manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ChecksumError(
             f"{MANIFEST} of {source} is not valid JSON ({err}); the artifact is corrupt or incomplete"
         ) from err
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict):
         return
-    root = local_dir.resolve()
-    for relpath, expected in sorted(files.items()):
-        path = (local_dir / relpath).resolve()
-        if root not in path.parents:
-            raise ChecksumError(
-                f"{MANIFEST} of {source} names {relpath!r}, which is outside the artifact; "
-                "the manifest is corrupt"
-            )
-        if not path.is_file():
-            raise ChecksumError(
-                f"{relpath} is listed in {MANIFEST} but missing from {source}; "
-                "the artifact is corrupt or incomplete (was the upload interrupted?)"
-            )
-        actual = sha256_file(path)
-        if actual != str(expected).removeprefix("sha256:").lower():
-            raise ChecksumError(
-                f"{relpath} in {source} has sha256 {actual}, but {MANIFEST} says {expected}; "
-                "the artifact is corrupt or incomplete"
-            )
+    try:
+        verify_files(local_dir, files, where=source)
+    except CheckpointError as err:
+        raise ChecksumError(f"{err} (the artifact is corrupt or incomplete)") from None
 
 
 # --- local directory helpers -----------------------------------------------------------------
+
 
 def _staging_path(target: Path) -> Path:
     """A hidden, unique sibling of `target`: same filesystem, so a rename is atomic."""
@@ -162,6 +251,7 @@ def _clean_relpath(path: str) -> str:
 
 
 # --- the interface ---------------------------------------------------------------------------
+
 
 class ArtifactStore(ABC):
     """Directories and files under one root; see the module docstring for the guarantees."""
@@ -211,6 +301,10 @@ class ArtifactStore(ABC):
     def write_text(self, path: str, text: str) -> str:
         """Write `text` (UTF-8) to the file at `path`; returns its URI."""
 
+    @abstractmethod
+    def check(self) -> None:
+        """Raise (StoreUnavailable, BucketNotFound, PermissionError) unless the store can be written now; fast."""
+
     def get_dir(self, src: str, local_dir: Path, verify: bool = True) -> Path:
         """Download the directory `src` to `local_dir`, verified against its manifest.
 
@@ -252,6 +346,7 @@ class ArtifactStore(ABC):
 
 
 # --- local disk ------------------------------------------------------------------------------
+
 
 class LocalStore(ArtifactStore):
     """A directory on this machine (or a shared filesystem)."""
@@ -344,24 +439,46 @@ class LocalStore(ArtifactStore):
         os.replace(staging, target)
         return str(target)
 
+    def check(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise PermissionError(
+                f"cannot create the artifact store directory {self.root} ({err.strerror}); "
+                "fix storage.uri or the directory's permissions"
+            ) from None
+        if not os.access(self.root, os.W_OK):
+            raise PermissionError(
+                f"the artifact store directory {self.root} is not writable; fix storage.uri or "
+                "the directory's permissions"
+            )
+
 
 # --- S3 --------------------------------------------------------------------------------------
 
+
 class S3Store(ArtifactStore):
-    """Objects under `s3://bucket/prefix`, through `infra/s3.py`.
+    """Objects under `s3://bucket/prefix`.
 
     The endpoint is `endpoint_url` if given, else `AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL`, else
     AWS's. The bucket's existence is checked once, on first use, so that a wrong bucket name gives
     `BucketNotFound` rather than a bare 404.
     """
 
-    def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None,
-                 region: str | None = None, settings: s3.S3Settings | None = None):
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        settings: S3Settings | None = None,
+    ):
         self.bucket = bucket
         self.prefix = _clean_relpath(prefix)
-        self._settings = settings or s3.S3Settings()
-        self._client = s3.s3_client(endpoint_url=endpoint_url, region=region, settings=self._settings)
-        self._transfer = s3.transfer_config(self._settings)
+        self._settings = settings or S3Settings()
+        self._client = s3_client(endpoint_url=endpoint_url, region=region, settings=self._settings)
+        self._transfer = transfer_config(self._settings)
         self._bucket_checked = False
 
     @property
@@ -386,7 +503,7 @@ class S3Store(ArtifactStore):
     def _locate(self, path: str) -> tuple[str, str]:
         """(bucket, key) of a store-relative path or a full s3:// URI."""
         if path.startswith("s3://"):
-            bucket, key = s3.parse_s3_uri(path)
+            bucket, key = parse_s3_uri(path)
             return bucket, _clean_relpath(key)
         if "://" in path:
             raise ValueError(f"{path!r} is not a path in {self.uri}; give a relative path or s3:// URI")
@@ -448,16 +565,16 @@ class S3Store(ArtifactStore):
         new_keys = {f"{key}/{rel}" for rel in relpaths}
         manifest_key = f"{key}/{MANIFEST}"
         with self._errors(bucket):
-            stale = [k for k in s3.list_keys(self._client, bucket, key + "/") if k not in new_keys]
+            stale = [k for k in _list_keys(self._client, bucket, key + "/") if k not in new_keys]
             # Take down the old manifest first: readers must not pair it with new files.
             self._client.delete_object(Bucket=bucket, Key=manifest_key)
             for rel, path in zip(relpaths, files):
                 if rel != MANIFEST:
-                    s3.upload_file(self._client, path, bucket, f"{key}/{rel}", self._transfer)
-            s3.delete_keys(self._client, bucket, stale)  # leftovers, gone before the manifest
+                    _upload_file(self._client, path, bucket, f"{key}/{rel}", self._transfer)
+            _delete_keys(self._client, bucket, stale)  # leftovers, gone before the manifest
             if MANIFEST in relpaths:
                 manifest_path = local_dir / MANIFEST
-                s3.upload_file(self._client, manifest_path, bucket, manifest_key, self._transfer)
+                _upload_file(self._client, manifest_path, bucket, manifest_key, self._transfer)
         return f"s3://{bucket}/{key}"
 
     def _download_tree(self, src: str, staging: Path) -> str:
@@ -465,30 +582,28 @@ class S3Store(ArtifactStore):
         prefix = f"{key}/" if key else ""
         source = f"s3://{bucket}/{key}"
         with self._errors(bucket):
-            keys = [k for k in s3.list_keys(self._client, bucket, prefix) if not k.endswith("/")]
+            keys = [k for k in _list_keys(self._client, bucket, prefix) if not k.endswith("/")]
             if not keys:
                 raise self._missing(bucket, key)
             for k in keys:
-                target = staging / _clean_relpath(k[len(prefix):])
+                target = staging / _clean_relpath(k[len(prefix) :])
                 target.parent.mkdir(parents=True, exist_ok=True)
-                s3.download_file(self._client, bucket, k, target, self._transfer)
+                _download_file(self._client, bucket, k, target, self._transfer)
         return source
 
     def list_dirs(self, prefix: str = "") -> list[str]:
         bucket, key = self._locate(prefix)
         base = f"{key}/" if key else ""
         with self._errors(bucket):
-            found = s3.list_subprefixes(self._client, bucket, base)
-        return sorted(p[len(base):].rstrip("/") for p in found)
+            found = _list_subprefixes(self._client, bucket, base)
+        return sorted(p[len(base) :].rstrip("/") for p in found)
 
     def exists(self, path: str) -> bool:
         bucket, key = self._locate(path)
         with self._errors(bucket):
-            if key and s3.exists(self._client, bucket, key):
+            if key and _exists(self._client, bucket, key):
                 return True
-            page = self._client.list_objects_v2(
-                Bucket=bucket, Prefix=f"{key}/" if key else "", MaxKeys=1
-            )
+            page = self._client.list_objects_v2(Bucket=bucket, Prefix=f"{key}/" if key else "", MaxKeys=1)
         return page.get("KeyCount", 0) > 0
 
     def delete_dir(self, path: str) -> None:
@@ -498,22 +613,22 @@ class S3Store(ArtifactStore):
         with self._errors(bucket):
             # The manifest first, so a reader never takes a half-deleted directory for a whole one.
             self._client.delete_object(Bucket=bucket, Key=f"{key}/{MANIFEST}")
-            s3.delete_prefix(self._client, bucket, key + "/")
+            _delete_prefix(self._client, bucket, key + "/")
 
     # -- files
 
     def put_file(self, local: Path, dest: str) -> str:
         bucket, key = self._locate(dest)
         with self._errors(bucket):
-            s3.upload_file(self._client, local, bucket, key, self._transfer)
+            _upload_file(self._client, local, bucket, key, self._transfer)
         return f"s3://{bucket}/{key}"
 
     def _get_file_to(self, src: str, local: Path) -> None:
         bucket, key = self._locate(src)
         with self._errors(bucket):
-            if not s3.exists(self._client, bucket, key):
+            if not _exists(self._client, bucket, key):
                 raise self._missing(bucket, key)
-            s3.download_file(self._client, bucket, key, local, self._transfer)
+            _download_file(self._client, bucket, key, local, self._transfer)
 
     def read_text(self, path: str) -> str:
         bucket, key = self._locate(path)
@@ -532,8 +647,22 @@ class S3Store(ArtifactStore):
             self._client.put_object(Bucket=bucket, Key=key, Body=text.encode("utf-8"))
         return f"s3://{bucket}/{key}"
 
+    def check(self) -> None:
+        """HeadBucket through a client with `check_retries` and `check_timeout_s`, not the patient transfer client."""
+        settings = self._settings
+        impatient = S3Settings(
+            max_retries=settings.check_retries,
+            connect_timeout_s=settings.check_timeout_s,
+            read_timeout_s=settings.check_timeout_s,
+        )
+        probe = S3Store(self.bucket, self.prefix, endpoint_url=self.endpoint, settings=impatient)
+        with probe._errors(self.bucket):
+            pass  # the first use checks the bucket (and so the endpoint and the credentials)
+        self._bucket_checked = True
+
 
 # --- opening and fetching --------------------------------------------------------------------
+
 
 def _local_path(uri: str) -> Path:
     if uri.startswith("file://"):
@@ -544,8 +673,7 @@ def _local_path(uri: str) -> Path:
     return Path(uri).expanduser().absolute()
 
 
-def open_store(uri: str, *, endpoint_url: str | None = None,
-               settings: s3.S3Settings | None = None) -> ArtifactStore:
+def open_store(uri: str, *, endpoint_url: str | None = None, settings: S3Settings | None = None) -> ArtifactStore:
     """The store rooted at `uri`: a local path, `file:///path` or `s3://bucket/prefix`.
 
     `endpoint_url` and `settings` (retries, timeouts, multipart) apply to S3 only; by default the
@@ -553,7 +681,7 @@ def open_store(uri: str, *, endpoint_url: str | None = None,
     """
     uri = str(uri)
     if uri.startswith("s3://"):
-        bucket, prefix = s3.parse_s3_uri(uri)
+        bucket, prefix = parse_s3_uri(uri)
         return S3Store(bucket, prefix, endpoint_url=endpoint_url, settings=settings)
     scheme = urlparse(uri).scheme
     if scheme not in ("", "file"):
@@ -569,12 +697,18 @@ def _cache_path(cache_dir: Path, bucket: str, key: str) -> Path:
     return Path(cache_dir).joinpath(*(p if p not in (".", "..") else "_" for p in safe))
 
 
-def fetch(uri: str, cache_dir: Path, *, endpoint_url: str | None = None,
-          settings: s3.S3Settings | None = None) -> Path:
+def fetch(
+    uri: str,
+    cache_dir: Path,
+    *,
+    verify: bool = True,
+    endpoint_url: str | None = None,
+    settings: S3Settings | None = None,
+) -> Path:
     """A local directory holding the artifact at `uri`.
 
-    A local path is returned as it is; an s3:// URI is downloaded (and verified) into
-    `cache_dir/<bucket>/<key>`, replacing an older copy there.
+    A local path is returned as it is; an s3:// URI is downloaded (verified against its manifest unless the caller
+    verifies it itself, `verify=False`) into `cache_dir/<bucket>/<key>`, replacing an older copy there.
     """
     uri = str(uri)
     if not uri.startswith("s3://"):
@@ -585,11 +719,11 @@ def fetch(uri: str, cache_dir: Path, *, endpoint_url: str | None = None,
                 "the s3:// URI it was stored under"
             )
         return path
-    bucket, key = s3.parse_s3_uri(uri)
+    bucket, key = parse_s3_uri(uri)
     store = S3Store(bucket, endpoint_url=endpoint_url, settings=settings)
     if not store.exists(key):
         raise FileNotFoundError(
             f"artifact {uri} does not exist at {store.endpoint}; check the URI (list the run with "
             f"`aws s3 ls s3://{bucket}/{key.rpartition('/')[0]}/`) and AWS_ENDPOINT_URL"
         )
-    return store.get_dir(key, _cache_path(cache_dir, bucket, key))
+    return store.get_dir(key, _cache_path(cache_dir, bucket, key), verify=verify)

@@ -1,0 +1,690 @@
+"""What each `ballast` subcommand does (the parser is flows/cli.py). Part of the CLI, so imports are lazy: a
+command imports what it needs when it runs, and a bad spec is refused before torch, transformers or Prefect load.
+Each command validates its input, calls a flow or a stage, and prints what the user needs next."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from flows.cli import UserError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ── the pipeline ───────────────────────────────────────────────────────────────────────────────────
+
+
+def cmd_run(args) -> int:
+    from tasks.spec import load_spec
+
+    if args.resume:
+        if args.set:
+            raise UserError(
+                f"--set cannot change run {args.resume} on --resume (it runs its own spec.yaml); resume it "
+                f"as it is, or start a new run from it with --set fork.run_id={args.resume}"
+            )
+        spec_path = _spec_file_of_run(args.resume, args.spec, args.project_dir)
+        spec, overrides = str(spec_path), []
+        resumed = load_spec(spec_path)
+        _refuse_changed_resume(args, resumed)
+        _check_resume(resumed, spec_path.parent)
+        project_dir = resumed.project_dir
+    elif args.spec:
+        checked = load_spec(args.spec, args.set)  # a bad spec fails here, in about a second
+        _check_fork(checked)
+        project_dir, spec, overrides = checked.project_dir, str(Path(args.spec).resolve()), args.set
+    else:
+        raise UserError("give an experiment SPEC to run, or --resume RUN_ID to continue a run")
+    return _run_pipeline(project_dir, spec, overrides, args.resume)
+
+
+def _refuse_changed_resume(args, resumed) -> None:
+    """A resume runs the spec the run started with; a SPEC that differs from it is refused."""
+    from tasks.spec import load_spec, spec_hash
+
+    if args.spec and spec_hash(given := load_spec(args.spec)) != spec_hash(resumed):
+        field = _first_difference(given.model_dump(mode="json"), resumed.model_dump(mode="json"))
+        raise UserError(
+            f"{args.spec} differs from the spec run {args.resume} started with ({field}); resume it with "
+            f"`ballast run --resume {args.resume}`, or start a new run with fork.run_id: {args.resume}"
+        )
+
+
+def _first_difference(a, b, prefix: str = "") -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            found = _first_difference(a.get(key), b.get(key), f"{prefix}{key}.")
+            if found:
+                return found
+        return ""
+    return "" if a == b else f"{prefix.rstrip('.')}: {b!r} in the run, {a!r} here"
+
+
+def _check_resume(spec, output_dir: Path) -> None:
+    """The checkpoint the resume starts from is verified before Prefect or a model starts (CheckpointError: exit 2)."""
+    from tasks.train import check_resumable
+
+    check_resumable(spec, output_dir)
+
+
+def _check_fork(spec) -> None:
+    """A fork source that does not exist is refused with one line, before Prefect starts (its verification, which
+    loads the model, runs in the flow's fork stage)."""
+    if spec.fork.run_id is None and spec.fork.checkpoint is None:
+        return
+    from tasks.fork import ForkError, resolve_fork
+    from tasks.record import Tracking
+
+    try:
+        resolve_fork(spec, Tracking(spec).checkpoint_prefix)
+    except ForkError:
+        raise
+    except (ValueError, FileNotFoundError) as e:  # the run id is not in the tracking store, the path is not there
+        given = f"fork.run_id={spec.fork.run_id}" if spec.fork.run_id else f"fork.checkpoint={spec.fork.checkpoint}"
+        raise UserError(f"fork source {given}: {e}") from None
+
+
+def cmd_quickstart(args) -> int:
+    from flows import runtime
+    from tasks.spec import load_spec
+    from tasks.train import ensure_base_model
+
+    path = REPO / "examples" / "quickstart.yaml"
+    spec = load_spec(path, args.set)
+    runtime.prestart(spec.project_dir)
+    ensure_base_model(spec)  # the first run builds the tiny model (~2 min) while Prefect's server starts
+    return _run_pipeline(spec.project_dir, str(path), args.set, None)
+
+
+def _run_pipeline(project_dir: str, spec: str, overrides: list[str], resume_run_id: str | None) -> int:
+    from flows import runtime
+
+    checked = _check_tracking(spec, overrides)  # a service that is down: one line, before Prefect's flow starts
+    runtime.prestart(project_dir)
+    _check_store(checked)
+    from flows.pipeline import run_pipeline  # torch, transformers, MLflow: imported while the server starts
+    from tasks.train import RunInterrupted
+
+    runtime.wait_until_started()
+    try:
+        result = run_pipeline(spec, overrides, resume_run_id)
+    except RunInterrupted as stop:  # SIGTERM or Ctrl-C: one line with the run and how to resume it
+        print(stop, file=sys.stderr)
+        return stop.exit_code
+    _print_result(result, project_dir)
+    return 0 if result.status == "finished" else 3
+
+
+def _check_tracking(spec_path: str, overrides: list[str]):
+    """The spec, once its http(s) tracking server answered: standard library only, seconds before any import."""
+    from infra.mlflow_server import TrackingUnavailable, check_tracking
+    from tasks.spec import load_spec
+
+    spec = load_spec(spec_path, overrides)
+    try:
+        check_tracking(spec.tracking.uri or "", spec.tracking)
+    except TrackingUnavailable as e:
+        raise UserError(str(e), 1) from None
+    return spec
+
+
+def _check_store(spec) -> None:
+    """The spec's artifact store can be written (a short check: StoreUnavailable exits 1, a bad bucket or
+    credentials 2)."""
+    from infra.store import BucketNotFound, StoreUnavailable
+    from tasks.checkpoint import reachable_store
+    from tasks.record import store_uri
+
+    try:
+        reachable_store(store_uri(spec))
+    except (StoreUnavailable, BucketNotFound, PermissionError) as e:
+        raise UserError(f"storage.uri {store_uri(spec)}: {e}", 1 if isinstance(e, StoreUnavailable) else 2) from None
+
+
+def _spec_file_of_run(run_id: str, spec_path: str | None, project_dir: str) -> Path:
+    from tasks.record import Tracking
+    from tasks.spec import load_spec
+
+    probe = (
+        load_spec(spec_path) if spec_path else load_spec({"model": {"name_or_path": "-"}, "project_dir": project_dir})
+    )
+    try:
+        out = Tracking(probe).output_dir_of(run_id)
+    except ValueError as e:  # not in this tracking store
+        raise UserError(f"--resume {run_id}: {e}") from None
+    if out is None or not (out / "spec.yaml").exists():
+        raise UserError(f"run {run_id} has no output directory with a spec.yaml on this machine; cannot resume it here")
+    return out / "spec.yaml"
+
+
+def _print_result(result, project_dir: str) -> None:
+    from rich.console import Console
+
+    c = Console(soft_wrap=True, highlight=False)  # paths and commands stay whole, for copying
+    c.rule(f"[bold]Ballast run {result.run_name or result.run_id}: {result.status}")
+    for line in result.lines():
+        c.print(line)
+    c.print(f"wall time: {result.seconds:.0f} s (trainer {result.trainer_seconds:.0f} s)")
+    for name, path in result.reports.items():
+        c.print(f"{name + ' report:':<14} {path}")
+    c.print(f"checkpoint:    {result.final_checkpoint}")
+    c.print(f"run id:        {result.run_id}")
+    c.print(f"MLflow run:    {result.mlflow_url}")
+    if "PREFECT_API_URL" not in os.environ:  # the embedded stores: their UIs are not running yet
+        c.print(f"the UIs:       ballast ui --project-dir {shlex.quote(project_dir)}   (MLflow :5000, Prefect :4200)")
+
+
+def cmd_train(args) -> int:
+    from tasks.spec import dump_spec, load_spec
+
+    if args.steps is not None and args.steps < 1:
+        raise UserError(f"--steps {args.steps}: give the run's total number of steps, 1 or more")
+    spec = load_spec(args.spec, args.set + ([f"optim.steps={args.steps}"] if args.steps is not None else []))
+    out = Path(args.output or Path(spec.project_dir) / "runs" / spec.name)
+    if not args.resume and any((out / "checkpoints").glob("step-*")):
+        raise UserError(
+            f"{out} already holds checkpoints; pass --resume to continue that run, or --output a new directory"
+        )
+    from tasks.train import check_resumable, fork_alone, train_alone
+
+    # every refusal comes before the first write: a refused command leaves the run directory as it was
+    resuming = check_resumable(spec, out) if args.resume else None
+    source = None if resuming else fork_alone(spec)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "spec.yaml").write_text(dump_spec(spec))
+    result, resumed_from = train_alone(spec, out, args.resume, progress=not args.quiet, source=source)
+    if result.interrupted:  # SIGTERM or Ctrl-C: stopped after a step, checkpoint saved there
+        from tasks.train import RunInterrupted
+
+        stop = RunInterrupted(
+            result.interrupted,
+            result.last_step,
+            result.last_checkpoint,
+            run=f"run {out}",
+            resume=f"ballast train {out / 'spec.yaml'} --output {out} --resume",
+        )
+        print(stop, file=sys.stderr)
+        return stop.exit_code
+    if args.resume:
+        print(
+            f"resumed from {resumed_from}" if resumed_from else f"no checkpoint in {out}/checkpoints; started at step 1"
+        )
+    print(
+        f"{'stopped: ' + result.stopped if result.stopped else 'done'} at step {result.last_step}; "
+        f"metrics: {out / 'metrics.jsonl'}; last checkpoint: {result.last_checkpoint}"
+    )
+    return 3 if result.stopped else 0
+
+
+def cmd_sync(args) -> int:
+    """Send what a pipeline run could not: step metrics kept while MLflow was away, checkpoints not uploaded."""
+    from tasks.spec import load_spec
+
+    run_dir = Path(args.project_dir).resolve() / "runs" / args.run_id
+    if not (run_dir / "spec.yaml").is_file():
+        raise UserError(
+            f"{args.run_id}: no run directory with a spec.yaml at {run_dir}; give --project-dir, the "
+            "project folder the run was made in"
+        )
+    spec = load_spec(run_dir / "spec.yaml")
+    from tasks.checkpoint import checkpoint_prefix, list_checkpoints, reachable_store, sync_checkpoints
+    from tasks.metrics_sink import PENDING, send_pending
+    from tasks.record import Tracking, store_uri
+
+    tracking = Tracking(spec)
+    sent = send_pending(tracking.client, run_dir / PENDING)
+    print(f"metrics: {sent} sent to {tracking.uri}" if sent else "metrics: none waiting")
+    if list_checkpoints(run_dir / "checkpoints"):
+        store, prefix = reachable_store(store_uri(spec)), checkpoint_prefix(args.run_id)
+        stored = sync_checkpoints(store, prefix, run_dir / "checkpoints", spec.checkpoint.keep_last, args.run_id)
+        print(f"checkpoints: {', '.join(Path(u).name for u in stored.uris.values())} in {store.child_uri(prefix)}")
+    status = tracking.tags(args.run_id).get("ballast.status")
+    if status != "finished":
+        print(f"run {args.run_id} is {status}: `ballast run --resume {args.run_id}` finishes it")
+    return 0
+
+
+# ── probe and compare ──────────────────────────────────────────────────────────────────────────────
+
+
+def cmd_probe(args) -> int:
+    from tasks.probe import ProbeError, base_model_of, probe_checkpoint
+
+    _check_target(args.checkpoint)
+    cfg, model_cfg, lora_cfg, spec = _probe_settings(args)
+    cache = (
+        Path(args.cache_dir) if args.cache_dir else Path(spec.project_dir if spec else ".ballast") / "cache" / "probe"
+    )
+    try:
+        if model_cfg is None and args.device:  # the manifest's base model, on the device asked for
+            model_cfg = base_model_of(args.checkpoint, cache, device=args.device)
+        report = probe_checkpoint(
+            args.checkpoint,
+            cfg,
+            model_cfg,
+            cache,
+            lora_cfg=lora_cfg,
+            data=spec.data if spec else None,
+            rewards=spec.rewards if spec else None,
+            baseline_cache=cache.parent / "probe-baseline",
+        )
+    except ProbeError as e:
+        print(f"probe FAILED: {e}")
+        return 1
+    for line in report.summary_lines():
+        print(line)
+    if args.json:
+        print(f"report: {report.write_json(args.json)}")
+    if args.html:
+        print(f"page:   {report.write_html(args.html)}")
+    return 0 if report.passed else 1
+
+
+def _probe_settings(args):
+    """(ProbeConfig, ModelConfig | None, LoraConfig | None, spec | None) from --spec and the flags."""
+    from pydantic import ValidationError
+
+    from tasks.spec import ModelConfig, ProbeConfig, load_spec
+
+    spec = load_spec(args.spec, args.set) if args.spec else None
+    cfg = spec.probe.model_copy() if spec else ProbeConfig()
+    flags = {
+        "prompts_file": args.prompts,
+        "n": args.n,
+        "temperature": args.temperature,
+        "max_tokens": args.max_tokens,
+        "expected_length": args.expected_length,
+        "max_malformed_rate": args.max_malformed_rate,
+        "parity_tolerance": args.parity_tolerance,
+        "seed": args.seed,
+    }
+    if args.format_tag is not None:
+        flags["format_tag"] = False if args.format_tag.lower() in ("", "none", "false") else args.format_tag
+    try:
+        for name, value in flags.items():
+            if value is not None:
+                setattr(cfg, name, value)
+    except ValidationError as e:
+        err = e.errors()[0]
+        flag = {"prompts_file": "prompts"}.get(str(err["loc"][0]), str(err["loc"][0])).replace("_", "-")
+        raise UserError(f"--{flag}: {err['msg'].removeprefix('Value error, ')} (got {err.get('input')!r})") from None
+    if cfg.prompts_file and not Path(cfg.prompts_file).expanduser().is_file():
+        raise UserError(f"--prompts {cfg.prompts_file}: no such file; give a .jsonl or .txt of probe prompts")
+    model_cfg = spec.model if spec else None
+    update = {}
+    if args.base:
+        update.update(name_or_path=args.base, build_if_missing=None)
+    if args.device:
+        update["device"] = args.device
+    if update and model_cfg is not None:
+        model_cfg = model_cfg.model_copy(update=update)
+    elif update and args.base:
+        model_cfg = ModelConfig(name_or_path=args.base, device=args.device or "auto")
+    return cfg, model_cfg, (spec.lora if spec else None), spec
+
+
+def _check_target(target: str) -> None:
+    if not target.startswith("s3://") and not Path(target).expanduser().exists():
+        raise UserError(
+            f"{target}: no such checkpoint directory; give a checkpoint path (…/checkpoints/step-NNNNNN) "
+            "or an s3:// URI"
+        )
+
+
+def cmd_compare(args) -> int:
+    _check_compare_tracking(args)  # a tracking server that is down: one line before torch and MLflow are imported
+    from tasks.compare import compare, plot_comparison, resolve_target, write_comparison_html
+    from tasks.probe import ProbeError
+
+    if not 0 < args.alpha < 1:
+        raise UserError(f"--alpha {args.alpha}: give a significance level between 0 and 1, e.g. 0.01")
+    probe_cfg = model_cfg = lora_cfg = None
+    tracking = args.tracking_uri
+    if args.spec:
+        from tasks.record import tracking_uri
+        from tasks.spec import load_spec
+
+        spec = load_spec(args.spec, args.set)
+        probe_cfg, model_cfg, lora_cfg = spec.probe, spec.model, spec.lora
+        tracking = tracking or tracking_uri(spec)
+    sides = []
+    for name, target in (("A", args.a), ("B", args.b)):
+        try:
+            sides.append(
+                resolve_target(
+                    target,
+                    probe_cfg=probe_cfg,
+                    model_cfg=model_cfg,
+                    lora_cfg=lora_cfg,
+                    cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+                    tracking_uri=tracking,
+                )
+            )
+        except ProbeError as e:  # a checkpoint that cannot be probed: a failure, not a bad argument
+            raise UserError(f"{name}: {e}", 1) from None
+        except (FileNotFoundError, ValueError) as e:
+            raise UserError(f"{name}: {e}") from None
+    (report_a, history_a), (report_b, history_b) = sides
+    result = compare(report_a, report_b, alpha=args.alpha, labels=(args.label_a or "A", args.label_b or "B"))
+    result["a"]["source"], result["b"]["source"] = args.a, args.b
+    print(result["summary"])
+    plots = []
+    if args.plots or args.html:
+        plots = plot_comparison(result, Path(args.plots or Path(args.html).with_suffix("")), history_a, history_b)
+        if args.plots:
+            print(f"plots:  {', '.join(str(p) for p in plots)}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        print(f"result: {args.json}")
+    if args.html:
+        write_comparison_html(result, args.html, plots, {"A": args.a, "B": args.b})
+        print(f"page:   {args.html}")
+    return 1 if result["regression"] else 0
+
+
+def _check_compare_tracking(args) -> None:
+    """When a side is a run id (not a path or s3:// URI) on an http(s) tracking server, that server must answer."""
+    from infra.mlflow_server import TrackingUnavailable, check_tracking
+    from tasks.spec import TrackingConfig, load_spec
+
+    cfg = load_spec(args.spec, args.set).tracking if args.spec else TrackingConfig()
+    uri = args.tracking_uri or cfg.uri or ""
+    if any(not x.startswith("s3://") and not Path(x).expanduser().exists() for x in (args.a, args.b)):
+        try:
+            check_tracking(uri, cfg)
+        except TrackingUnavailable as e:
+            raise UserError(str(e), 1) from None
+
+
+# ── regression and sweeps ──────────────────────────────────────────────────────────────────────────
+
+
+def cmd_regress(args) -> int:
+    from flows import runtime
+    from tasks.regression import repo_root, resolve_commit
+    from tasks.spec import load_spec
+
+    if len(args.ref) != 2:
+        raise UserError(
+            f"give exactly two refs: --ref A --ref B (A the reference, B the candidate); got {args.ref or 'none'}"
+        )
+    if args.runs < 1:
+        raise UserError(f"--runs {args.runs}: give 1 or more runs per ref")
+    if args.steps is not None and args.steps < 1:
+        raise UserError(f"--steps {args.steps}: give 1 or more steps")
+    spec = load_spec(args.spec, args.set)  # a bad spec fails here, before any worktree exists
+    try:
+        root = repo_root(args.repo)
+        for ref in args.ref:
+            resolve_commit(root, ref)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    runtime.prestart(spec.project_dir)
+    from flows.regression import ballast_regression
+
+    runtime.wait_until_started()
+    result = ballast_regression(
+        str(Path(args.spec).resolve()),
+        list(args.ref),
+        runs=args.runs,
+        steps=args.steps,
+        repo=str(root),
+        overrides=list(args.set),
+        alpha=args.alpha,
+        work_dir=args.work_dir,
+    )
+    print(result["summary"])
+    print(f"report: {result['html']}")
+    print(f"MLflow run: {result['run_id']}")
+    return 1 if result["regression"] else 0
+
+
+def cmd_sweep(args) -> int:
+    from flows import runtime
+    from sweeps.space import base_spec, load_sweep
+
+    if args.trials is not None and args.trials < 1:
+        raise UserError(f"--trials {args.trials}: give 1 or more (the study's total of finished trials)")
+    if args.workers < 0:
+        raise UserError(f"--workers {args.workers}: give 0 (create the study only), 1, or more")
+    _check_storage_flag(args.storage)
+    sweep = load_sweep(args.file)  # a bad sweep file fails here, before any study or run exists
+    runtime.prestart(base_spec(sweep).get("project_dir", ".ballast"))
+    from flows.sweep import ballast_sweep
+
+    runtime.wait_until_started()  # a flow that starts before the ephemeral server answers finds no API
+    result = ballast_sweep(
+        str(Path(args.file).resolve()), trials=args.trials, workers=args.workers, storage=args.storage
+    )
+    if result is None:  # --workers 0: the study was created, the join command printed
+        return 0
+    for line in result.lines():
+        print(line)
+    if not result.done:
+        return 1
+    return 0 if result.n_complete else 3  # every trial pruned or failed: the sweep found nothing, as a collapsed run
+
+
+def _check_storage_flag(url: str | None) -> None:
+    from sweeps.space import STORAGE_PASSWORD
+    from tasks.spec import uri_has_password
+
+    if url and uri_has_password(url):
+        raise UserError(f"--storage: {STORAGE_PASSWORD}")
+
+
+def cmd_sweep_worker(args) -> int:
+    from flows import runtime
+    from sweeps.space import base_spec
+    from sweeps.study import join_study, make_storage
+
+    _check_storage_flag(args.storage)
+    _, sweep = join_study(args.study, make_storage(args.storage), worker=args.worker)  # a bad study name fails early
+    runtime.configure(base_spec(sweep).get("project_dir", ".ballast"))
+    from flows.sweep import ballast_sweep_worker
+
+    result = ballast_sweep_worker(
+        args.study, args.storage, trials=args.trials, worker=args.worker, summary=not args.no_summary
+    )
+    if result is not None:
+        for line in result.lines():
+            print(line)
+    return 0
+
+
+# ── infrastructure and tools ───────────────────────────────────────────────────────────────────────
+
+
+def cmd_vllm_env(args) -> int:
+    from infra.vllm_env import VLLMEnvError, create_vllm_env
+
+    try:
+        python = create_vllm_env(args.path, "gpu" if args.gpu else "cpu" if args.cpu else "auto")
+    except VLLMEnvError as e:
+        raise UserError(str(e), 1) from None
+    print(python)
+    print(
+        f"set it in the spec:  rollout: {{engine: vllm, vllm_python: {python}}}  "
+        f"(or --set rollout.vllm_python={python})"
+    )
+    return 0
+
+
+def cmd_launch(args) -> int:
+    from infra.skypilot import LaunchError, launch, plan_launch, sky_launch_command, write_task_yaml
+    from tasks.spec import dump_spec, load_spec
+
+    spec = load_spec(args.spec, args.set)
+    out_dir = Path(spec.project_dir) / "launch"
+    try:
+        plan, _ = plan_launch(spec, REPO, dump_spec=dump_spec, cluster=args.cluster)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        spec_file = out_dir / f"{plan.name}.spec.yaml"
+        spec_file.write_text(plan.spec_yaml)
+        task_yaml = Path(args.yaml) if args.yaml else out_dir / f"{plan.name}.sky.yaml"
+        write_task_yaml(plan, spec_file, task_yaml)
+    except LaunchError as e:
+        raise UserError(str(e)) from None
+    resources = ", ".join(f"{k}={v}" for k, v in plan.resources.items()) or "SkyPilot's default"
+    print(f"cluster {plan.name}: {plan.num_nodes} node(s), {resources}")
+    print(f"runs:   {plan.run}   (spec: {spec_file})")
+    if plan.secret_names:
+        print(f"secrets from this environment: {', '.join(plan.secret_names)}")
+    for note in plan.notes:
+        print(f"note:   {note}")
+    print(f"task:   {task_yaml}")
+    if args.dryrun:
+        print(f"dry run: nothing launched. By hand:  {sky_launch_command(plan, task_yaml, args.down)}")
+        return 0
+    try:
+        job_id = launch(plan, spec_file, down=args.down, idle_minutes_to_autostop=args.idle_minutes)
+    except LaunchError as e:
+        raise UserError(str(e), 1) from None
+    except Exception as e:  # SkyPilot's own errors: no cloud enabled, quota, capacity, ...
+        raise UserError(
+            f"SkyPilot could not launch {plan.name}: {type(e).__name__}: {str(e).strip().splitlines()[0]} "
+            "(run `sky check` to see which clouds or Kubernetes contexts are enabled)",
+            1,
+        ) from None
+    print(
+        f"job {job_id} on {plan.name}: `sky logs {plan.name} {job_id}` follows it, `sky down {plan.name}` ends the "
+        "cluster"
+    )
+    return 0
+
+
+UI_ENV = {  # MLflow's job runner serves GenAI evaluation jobs (3 more processes); Prefect's telemetry stays off
+    "mlflow": {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+    "prefect": {"DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"},
+}
+UI_READY_TIMEOUT_S = 300
+
+
+def ui_commands(project: Path, host: str, mlflow_port: int, prefect_port: int) -> dict[str, tuple[dict, list[str]]]:
+    """{ui: (extra environment, argv)}: MLflow with one worker (a UI for one person; the default four take minutes
+    to start on two cores) and Prefect's server without its background services (nothing to schedule here). The
+    Prefect UI is told where its API is (it assumes port 4200 otherwise)."""
+    shown = _shown_host(host)
+    mlflow = [
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        f"sqlite:///{project / 'mlflow.db'}",
+        "--host",
+        host,
+        "--port",
+        str(mlflow_port),
+        "--workers",
+        "1",
+        "--uvicorn-opts",
+        "--log-level warning",
+    ]
+    prefect = ["prefect", "server", "start", "--host", host, "--port", str(prefect_port), "--no-services"]
+    prefect_env = {
+        **UI_ENV["prefect"],
+        "PREFECT_HOME": str(project / "prefect"),
+        "PREFECT_UI_API_URL": os.environ.get("PREFECT_UI_API_URL", f"http://{shown}:{prefect_port}/api"),
+    }
+    return {"mlflow": (UI_ENV["mlflow"], mlflow), "prefect": (prefect_env, prefect)}
+
+
+def _shown_host(host: str) -> str:
+    """The address to print and to open: this machine for a wildcard bind."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def cmd_ui(args) -> int:
+    project = Path(args.project_dir).resolve()
+    if not (project / "mlflow.db").exists():
+        raise UserError(
+            f"--project-dir {args.project_dir}: no mlflow.db there; give the project folder a run used "
+            "(project_dir in its spec, default .ballast)"
+        )
+    commands = ui_commands(project, args.host, args.mlflow_port, args.prefect_port)
+    shown = _shown_host(args.host)
+    urls = {
+        "mlflow": f"http://{shown}:{args.mlflow_port}/#/experiments?workflowType=machine_learning",
+        "prefect": f"http://{shown}:{args.prefect_port}/runs",
+    }
+    health = {
+        "mlflow": f"http://{shown}:{args.mlflow_port}/health",
+        "prefect": f"http://{shown}:{args.prefect_port}/api/health",
+    }
+    for name, (env, argv) in commands.items():  # what runs, as a command that can be pasted into a shell
+        print(f"{name:<8} {' '.join(f'{k}={shlex.quote(v)}' for k, v in env.items())} {shlex.join(argv)}")
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops both UIs, as Ctrl-C does
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", *argv],
+            env={**os.environ, **env},  # Prefect's banner
+            stdout=subprocess.DEVNULL if name == "prefect" else None,
+        )  # says `config set`
+        for name, (env, argv) in commands.items()
+    }
+    try:
+        for name, proc in procs.items():
+            seconds = _wait_ready(health[name], proc)
+            if seconds is not None:
+                print(f"{name:<8} ready in {seconds:.0f} s: {urls[name]}")
+            elif proc.poll() is None:
+                print(f"{name:<8} not answering {health[name]} after {UI_READY_TIMEOUT_S} s; still waiting")
+            else:
+                print(f"{name:<8} exited with status {proc.returncode} before it accepted connections (see above)")
+        print("Ctrl-C stops both.")
+        for proc in procs.values():
+            proc.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)
+    return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _wait_ready(url: str, proc, timeout: float = UI_READY_TIMEOUT_S) -> float | None:
+    """Seconds until `url` answers 200; None when the process exits first or `timeout` passes."""
+    import time
+    import urllib.request
+
+    start = time.monotonic()
+    while time.monotonic() - start < timeout and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return time.monotonic() - start
+        except OSError:
+            time.sleep(0.5)
+    return None
+
+
+def cmd_metrics(args) -> int:
+    from tasks.record import METRICS
+
+    width = max(map(len, METRICS))
+    for name, meaning in METRICS.items():
+        print(f"{name:<{width}}  {meaning}")
+    return 0
+
+
+def cmd_spec_schema(args) -> int:
+    from tasks.spec import ExperimentSpec
+
+    schema = {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",  # the dialect pydantic writes
+        **ExperimentSpec.model_json_schema(),
+    }
+    print(json.dumps(schema, indent=1))
+    return 0

@@ -1,0 +1,157 @@
+"""The run report: training curves as PNG plots and one HTML page (tasks/templates/run_report.html).
+
+Curves are grouped by what they measure, one unit per axis: reward and held-out scores; KL by its three
+estimators; completion length in tokens; 0-1 shares (repetition, garbage, truncation); entropy; the engine-vs-
+trainer logprob difference. Noisy per-step curves are drawn faint with a rolling mean on top; eval points
+(step 0 too, with eval.on_start) as markers. A gate signal's threshold is a dotted line in its curve's colour (far
+above the curve it is named in the legend instead, so the curve keeps its scale), and where the health gate stopped
+the run a red vertical line marks the step on every plot. Legends sit below the axes, clear of the curves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+from matplotlib.ticker import FuncFormatter  # noqa: E402
+
+from tasks.pages import commit_link, render_page  # noqa: E402
+from tasks.probe_report import ProbeReport  # noqa: E402
+from tasks.summary import PipelineResult  # noqa: E402
+from trainer.config import HealthConfig  # noqa: E402
+from trainer.health import GATE_SIGNALS  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Plot:
+    name: str
+    title: str
+    ylabel: str
+    keys: tuple[str, ...]
+
+
+PLOTS = (
+    Plot(
+        "reward",
+        "reward (training batches) and held-out scores",
+        "reward / score",
+        ("reward", "eval/reward", "eval/accuracy"),
+    ),
+    Plot("kl", "KL(policy ‖ reference) per token", "nats", ("kl/k1", "kl/k2", "kl/k3")),  # 'kl' is kl/k3
+    Plot("length", "completion length", "tokens", ("completions/mean_length", "completions/max_length")),
+    Plot(
+        "health",
+        "text health (shares of completions or n-grams)",
+        "share (0-1)",
+        ("health/ngram_repetition", "health/garbage_ratio", "completions/clipped_ratio", "health/unique_token_ratio"),
+    ),
+    Plot("entropy", "policy entropy per token", "nats", ("entropy",)),
+    Plot(
+        "sampling",
+        "engine vs trainer logprob of the sampled tokens",
+        "|difference| (nats)",
+        ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max"),
+    ),
+    Plot(
+        "hacking",
+        "reward hacking: length pays, groups converge",
+        "correlation / diversity",
+        ("hacking/length_reward_corr", "hacking/length_reward_corr_trend", "hacking/group_diversity"),
+    ),
+    Plot(
+        "hacking_trends",
+        "reward hacking: rises over the gate's windows",
+        "change",
+        ("hacking/other_reward_rise", "hacking/correctness_rise", "hacking/train_reward_rise", "hacking/eval_rise"),
+    ),
+)
+SMOOTH, SMOOTH_FROM = 5, 20  # rolling mean over 5 steps for curves of 20 points or more
+GATE_ALIASES = {"kl/k3": "kl"}  # the gate watches 'kl', which is kl/k3: its threshold goes on the k3 curve
+OFF_SCALE = 3.0  # a threshold this many times above the curve's top is named, not drawn
+GATE_COLOR = "#cf222e"
+
+
+def plot_history(
+    history: list[dict], out_dir: Path, health: HealthConfig | None = None, gate: tuple[int, str] | None = None
+) -> list[Path]:
+    """One PNG per plot that has data; returns their paths. `gate`: (step, reason) where the health gate stopped."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for plot in PLOTS:
+        series = {k: [(m["step"], m[k]) for m in history if k in m and m[k] == m[k]] for k in plot.keys}
+        if not any(series.values()):
+            continue
+        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+        for key, pts in series.items():
+            if pts:
+                color = _draw(ax, key, pts)
+                _threshold(ax, key, pts, color, health)
+        if gate is not None:
+            ax.axvline(gate[0], color=GATE_COLOR, linewidth=1.5, label=f"health gate stopped the run (step {gate[0]})")
+        ax.set(xlabel="step", ylabel=plot.ylabel, title=plot.title)
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))  # no '1e-5' offset over the title
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out_dir / f"{plot.name}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _draw(ax, key: str, pts: list[tuple[int, float]]) -> str:
+    """Draw one curve; returns its colour."""
+    xs, ys = zip(*pts)
+    if key.startswith("eval/"):
+        (line,) = ax.plot(xs, ys, marker="o", linestyle="--", label=key)
+    elif len(pts) >= SMOOTH_FROM:  # noisy per-step values: faint, with their rolling mean on top
+        (line,) = ax.plot(xs, ys, alpha=0.3, linewidth=1)
+        means = [
+            sum(ys[max(0, i - SMOOTH + 1) : i + 1]) / len(ys[max(0, i - SMOOTH + 1) : i + 1]) for i in range(len(ys))
+        ]
+        ax.plot(xs, means, color=line.get_color(), label=f"{key} (mean of {SMOOTH})")
+    else:
+        (line,) = ax.plot(xs, ys, marker=".", label=key)
+    return line.get_color()
+
+
+def _threshold(ax, key: str, pts: list[tuple[int, float]], color: str, health: HealthConfig | None) -> None:
+    """The health gate's threshold for this curve: a dotted line in its colour, or a legend entry when off scale."""
+    signal = GATE_ALIASES.get(key, key)
+    if health is None or not health.enabled or signal not in GATE_SIGNALS:
+        return
+    limit = getattr(health, GATE_SIGNALS[signal].field)
+    side = "<" if GATE_SIGNALS[signal].below else ">"  # group diversity trips below its threshold
+    top = max(abs(v) for _, v in pts)
+    if top > 0 and limit > OFF_SCALE * top:
+        ax.plot([], [], color=color, linestyle=":", label=f"gate: {signal} {side} {limit:g} (far above)")
+    else:
+        ax.axhline(limit, color=color, linestyle=":", linewidth=1.2, label=f"gate: {signal} {side} {limit:g}")
+
+
+def write_run_report(
+    path: Path,
+    result: PipelineResult,
+    plots: list[Path],
+    probe: ProbeReport | None,
+    links: dict[str, str],
+    code: dict | None = None,
+) -> Path:
+    """The run's page: what it was, how it ended, before → after, the probe's verdict, the curves. `code`: the
+    Ballast commit that ran it ({commit, dirty})."""
+    code = code or {"commit": "unknown", "dirty": False}
+    return render_page(
+        "run_report.html",
+        path,
+        result=result,
+        plots=plots,
+        probe=probe,
+        links=links,
+        code=code,
+        commit_url=commit_link(code["commit"]),
+    )

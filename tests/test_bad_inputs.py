@@ -1,0 +1,315 @@
+"""Bad input, given as a user gives it — the `ballast` command in its own process: every row exits with status 2
+and prints one line on stderr that names the input and says what to do, with no traceback (issue 11 §5).
+
+Each row: what is wrong → the command → a fragment the line must hold. A row's spec is the tiny test spec
+(tests/conftest.py) with one thing changed, or the raw bytes of a spec file. Rows found by the issue's audit
+and by fuzzing the spec come first; grow the table with every case found. A spec typo is refused before torch
+or transformers is imported (the last test), which is what keeps it under a couple of seconds.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, tiny_spec
+
+CLI = "import sys; from flows.cli import main; sys.exit(main())"
+
+
+@dataclass
+class Case:
+    id: str
+    fragment: str  # the one stderr line must hold this
+    change: Callable[[dict], None] | None = None  # edits the tiny spec (a dict) in place
+    raw: str | bytes | None = None  # or: the spec file's whole content ({model} is the tiny model)
+    args: tuple = ("train", "{spec}", "--quiet")  # the command; {spec} the spec file, {dir} the test's folder
+    files: dict = field(default_factory=dict)  # more files in the test's folder: name -> text
+
+
+def put(path: str, value) -> Callable[[dict], None]:
+    """A change that sets the dotted spec field `path` (list items by index) to `value`."""
+
+    def change(spec: dict) -> None:
+        node, keys = spec, path.split(".")
+        for k in keys[:-1]:
+            node = node[int(k)] if isinstance(node, list) else node.setdefault(k, {})
+        node[int(keys[-1]) if isinstance(node, list) else keys[-1]] = value
+
+    return change
+
+
+def spec_text(model) -> str:
+    return yaml.safe_dump(tiny_spec(model), sort_keys=False)
+
+
+TRAJECTORY = {
+    "prompt": "2+2",
+    "answer": "4",
+    "completions": [{"token_ids": [60, 52, 62], "logprobs": [-0.1, -0.2, -0.3]}] * 4,
+}
+
+
+def trajectory(**completion) -> str:
+    return json.dumps({**TRAJECTORY, "completions": [{**TRAJECTORY["completions"][0], **completion}] * 4}) + "\n"
+
+
+OFFLINE = [
+    put("rollout.engine", "offline"),
+    put("data.source", "{dir}/traj.jsonl"),
+    put("data.eval_path", None),
+    put("grpo.rollout_correction", {"mode": "off"}),
+]
+
+
+def offline(spec: dict) -> None:
+    for change in OFFLINE:
+        change(spec)
+
+
+CASES = [
+    # ── found by the audit (issue 11 §5) ──────────────────────────────────────────────────────────
+    Case(
+        "trajectory token ids outside the vocabulary",
+        "traj.jsonl:1 completions[0].token_ids holds 99999",
+        offline,
+        files={"traj.jsonl": trajectory(token_ids=[60, 99999, 62])},
+    ),
+    Case(
+        "a JSONL line that is a list",
+        "data.jsonl:2 is a JSON list",
+        put("data.source", "{dir}/data.jsonl"),
+        files={"data.jsonl": '{"prompt": "1+1", "answer": "2"}\n[1, 2]\n'},
+    ),
+    Case("model.device: cuda without CUDA", "model.device='cuda'", put("model.device", "cuda")),
+    Case("lora.r: 1e20", "field 'lora.r'", put("lora.r", 1e20)),
+    Case("LoRA target modules absent from the model", "lora.target_modules", put("lora.target_modules", ["qkv_proj"])),
+    Case(
+        "a custom reward that raises",
+        "reward 'raises_on_call' (tests.reward_fixtures:raises_on_call) raised",
+        put("rewards", [{"name": "exact_answer"}, {"name": "tests.reward_fixtures:raises_on_call"}]),
+    ),
+    Case(
+        "a fork from an unknown run id",
+        "fork.run_id=0123456789abcdef",
+        put("fork.run_id", "0123456789abcdef"),
+        args=("run", "{spec}"),
+    ),
+    Case("a duplicate top-level section", "key 'optim' appears twice", raw="{spec}optim:\n  steps: 3\n"),
+    Case(
+        "a credential inside a URI",
+        "field 'tracking.uri' holds a password",
+        put("tracking.uri", "https://user:hunter2@mlflow.example.com"),
+    ),
+    Case(
+        "an .inf learning rate",
+        "field 'optim.learning_rate': Input should be a finite number",
+        put("optim.learning_rate", float("inf")),
+    ),
+    Case(
+        "a .nan reward weight",
+        "field 'rewards.0.weight': Input should be a finite number",
+        put("rewards.0.weight", float("nan")),
+    ),
+    Case(
+        "rollout.min_tokens above rollout.max_tokens",
+        "rollout.min_tokens=30 is above rollout.max_tokens=24",
+        put("rollout.min_tokens", 30),
+    ),
+    Case(
+        "more eval prompts than the source can make",
+        "data.num_eval_prompts=500",
+        lambda s: (put("data.max_digits", 1)(s), put("data.num_eval_prompts", 500)(s)),
+    ),
+    Case(
+        "an unknown eval.reward",
+        "eval.reward='accuracy' is not one of the experiment's rewards",
+        put("eval.reward", "accuracy"),
+    ),
+    Case(
+        "ballast train with fork.run_id",
+        "fork.run_id=0123456789abcdef: `ballast train` has no tracking store",
+        put("fork.run_id", "0123456789abcdef"),
+    ),
+    Case(
+        "--steps -1",
+        "--steps -1: give the run's total number of steps, 1 or more",
+        args=("train", "{spec}", "--steps", "-1"),
+    ),
+    Case("a binary spec file", "is not UTF-8 text", raw=b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe"),
+    Case("a latin-1 spec file", "is not UTF-8 text (byte 0xe9", raw="name: caf\u00e9\n".encode("latin-1")),
+    Case(
+        "empty trajectory completions",
+        "traj.jsonl:1 completions[0] is empty (no tokens)",
+        offline,
+        files={"traj.jsonl": json.dumps({**TRAJECTORY, "completions": [{"text": ""}] * 4}) + "\n"},
+    ),
+    Case("a spec typo", "unknown field 'optim.stepz'", put("optim.stepz", 3)),
+    # ── found by fuzzing the spec and the commands ────────────────────────────────────────────────
+    Case("a run name that is a path", "field 'name': a run's name is one directory name", put("name", "../../etc")),
+    Case(
+        "a credential inside an s3 URI",
+        "field 'storage.uri' holds a password",
+        put("storage.uri", "s3://AK:SK@bucket/x"),
+    ),
+    Case(
+        "a secret-looking field",
+        "field 'rewards.0.kwargs.api_key' looks like a secret",
+        put("rewards.0.kwargs", {"api_key": "sk-123"}),
+    ),
+    Case("a whole number given as text", "field 'optim.steps'", put("optim.steps", "ten")),
+    Case("a section given as a list", "field 'lora'", put("lora", [1, 2])),
+    Case("rewards given as a mapping", "field 'rewards'", put("rewards", {"name": "exact_answer"})),
+    Case("a fractional LoRA rank", "field 'lora.r'", put("lora.r", 1.5)),
+    Case("a zero sampling temperature", "field 'rollout.temperature'", put("rollout.temperature", 0)),
+    Case("an unknown built-in reward", "exactanswer", put("rewards", [{"name": "exactanswer"}])),
+    Case("a reward module that does not exist", "no_such_module", put("rewards", [{"name": "no_such_module:f"}])),
+    Case("a data file that does not exist", "missing.jsonl", put("data.source", "{dir}/missing.jsonl")),
+    Case("a data source that is neither", "data.source='arithmetic'", put("data.source", "arithmetic")),
+    Case(
+        "a JSONL line without a prompt",
+        "data.jsonl:1 has no 'prompt' field",
+        put("data.source", "{dir}/data.jsonl"),
+        files={"data.jsonl": '{"question": "1+1", "answer": "2"}\n'},
+    ),
+    Case(
+        "a model directory that does not exist",
+        "model.name_or_path='/nonexistent/model'",
+        put("model.name_or_path", "/nonexistent/model"),
+    ),
+    Case("a device that does not exist", "model.device='tpu'", put("model.device", "tpu")),
+    Case("a probe tag with a space", "field 'probe.format_tag'", put("probe.format_tag", "my tag")),
+    Case("a spec that is a list", "must hold a mapping of sections", raw="- model\n- lora\n"),
+    Case("a spec that is not YAML", "is not valid YAML: line 2", raw="model:\n\t name_or_path: x\n"),
+    Case("an empty spec", "field 'model' is required", raw=""),
+    Case("a spec file that does not exist", "spec file nope.yaml does not exist", args=("train", "nope.yaml")),
+    Case("--steps 0", "--steps 0: give the run's total number of steps", args=("train", "{spec}", "--steps", "0")),
+    Case(
+        "--steps that is not a number",
+        "argument --steps: invalid int value: 'ten'",
+        args=("train", "{spec}", "--steps", "ten"),
+    ),
+    Case(
+        "--set without '='",
+        "--set 'optim.steps': expected key.path=value",
+        args=("train", "{spec}", "--set", "optim.steps"),
+    ),
+    Case("--set into a value", "--set lora.r.x: 'r' is not a section", args=("train", "{spec}", "--set", "lora.r.x=1")),
+    Case("an unknown command", "invalid choice: 'trian'", args=("trian",)),
+    Case(
+        "train into a run with checkpoints, without --resume",
+        "already holds checkpoints; pass --resume",
+        args=("train", "{spec}", "--output", "{dir}/run"),
+        files={"run/checkpoints/step-000002/x": ""},
+    ),
+    Case(
+        "a resume from a checkpoint without a manifest",
+        "has no manifest.json",
+        args=("train", "{spec}", "--output", "{dir}/run", "--resume"),
+        files={"run/checkpoints/step-000002/x": ""},
+    ),
+    Case("run with neither SPEC nor --resume", "give an experiment SPEC to run", args=("run",)),
+    Case(
+        "run --resume with --set",
+        "--set cannot change run abc on --resume",
+        args=("run", "--resume", "abc", "--set", "optim.steps=9"),
+    ),
+    Case(
+        "run --resume of an unknown run",
+        "--resume abc: MLflow run 'abc' was not found",
+        args=("run", "--resume", "abc", "--project-dir", "{dir}/p"),
+    ),
+    Case(
+        "a fork checkpoint that does not exist",
+        "fork source",
+        put("fork.checkpoint", "{dir}/nowhere/step-000002"),
+        args=("run", "{spec}"),
+    ),
+    Case("sweep --trials 0", "--trials 0: give 1 or more", args=("sweep", "{spec}", "--trials", "0")),
+    Case(
+        "a sweep storage URL with a password",
+        "--storage: the Optuna storage URL holds a password",
+        args=("sweep", "{spec}", "--storage", "postgresql://u:pw@127.0.0.1/db"),
+    ),
+    Case("a latin-1 sweep file", "sweep file", raw="study: caf\u00e9\n".encode("latin-1"), args=("sweep", "{spec}")),
+    Case(
+        "a sweep file with a duplicate key",
+        "key 'space' appears twice",
+        raw="space: {}\nspace: {}\n",
+        args=("sweep", "{spec}"),
+    ),
+    Case("a probe of a checkpoint that does not exist", "no such checkpoint directory", args=("probe", "{dir}/nope")),
+    Case(
+        "compare --alpha 2",
+        "--alpha 2.0: give a significance level between 0 and 1",
+        args=("compare", "a.json", "b.json", "--alpha", "2"),
+    ),
+]
+
+
+def write_spec(case: Case, model, where) -> str:
+    path = where / "spec.yaml"
+    if case.raw is not None:
+        raw = case.raw.replace("{spec}", spec_text(model)) if isinstance(case.raw, str) else case.raw
+        path.write_bytes(raw.encode() if isinstance(raw, str) else raw)
+    else:
+        spec = tiny_spec(model, project_dir=str(where / "project"), probe={"enabled": False}, optim={"steps": 2})
+        if case.change is not None:
+            case.change(spec)
+        text = yaml.safe_dump(spec, sort_keys=False, allow_unicode=True).replace("{dir}", str(where))
+        path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_exits_2_with_one_line_naming_it(case, tiny_model, tmp_path):
+    for name, text in case.files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    spec = write_spec(case, tiny_model, tmp_path)
+    args = [a.replace("{spec}", spec).replace("{dir}", str(tmp_path)) for a in case.args]
+    proc = subprocess.run(
+        [sys.executable, "-c", CLI, *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    assert (proc.returncode, len(lines)) == (2, 1), proc.stderr[-3000:]
+    assert lines[0].startswith("error: ") and case.fragment in lines[0], lines[0]
+
+
+def test_ballast_train_starts_from_fork_checkpoint_not_from_the_base_model(tiny_model, tmp_path):
+    """The other half of "ballast train ignored fork.checkpoint": a verified fork source, recorded in the lineage."""
+    from flows.cli import main
+
+    source = tmp_path / "source"
+    spec = write_spec(Case("source", "", put("checkpoint.every", 1)), tiny_model, tmp_path)
+    assert main(["train", spec, "--output", str(source), "--steps", "1", "--quiet"]) == 0
+    fork_from = source / "checkpoints" / "step-000001"
+    spec = write_spec(Case("fork", "", put("fork.checkpoint", str(fork_from))), tiny_model, tmp_path)
+    assert main(["train", spec, "--output", str(tmp_path / "forked"), "--steps", "1", "--quiet"]) == 0
+    manifest = json.loads((tmp_path / "forked" / "checkpoints" / "step-000001" / "manifest.json").read_text())
+    assert manifest["lineage"]["fork_checkpoint"] == str(fork_from)
+
+
+def test_a_spec_typo_is_refused_before_torch_or_transformers_is_imported(tiny_model, tmp_path):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(spec_text(tiny_model).replace("steps:", "stepz:"))
+    probe = (
+        "import sys; from flows.cli import main; rc = main(['train', sys.argv[1]]); "
+        "print(rc, sorted(m for m in ('torch', 'transformers', 'peft', 'prefect', 'mlflow') if m in sys.modules))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, str(spec)], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert proc.stdout.split("\n")[0] == "2 []", proc.stdout + proc.stderr
+    assert "unknown field 'optim.stepz'" in proc.stderr

@@ -1,0 +1,188 @@
+"""Signals, sent for real to a `ballast` subprocess once its metrics.jsonl has a step: SIGTERM (what spot
+preemption, Kubernetes and SkyPilot send) and SIGINT (Ctrl-C) let the step in progress finish, save a checkpoint
+there, and end the command with exit status 128 + signal and one line naming the run and the command that resumes
+it. A pipeline run ends KILLED in MLflow and Cancelled ("Interrupted") in Prefect, and the resumed run continues
+from the saved step: a resumed `ballast train` equals a run that was never interrupted.
+"""
+
+import glob
+import json
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
+
+from tests.conftest import REPO, tiny_spec
+from trainer.checkpoint import list_checkpoints
+from trainer.config import TrainerConfig
+from trainer.loop import GRPOTrainer
+
+STEPS = 6
+SECTIONS = dict(optim={"steps": STEPS, "learning_rate": 3e-3}, checkpoint={"every": 3, "keep_last": 10})
+CLI = "import sys; from flows.cli import main; sys.exit(main())"  # as the `ballast` script calls it
+WAIT_S = 900  # the most any wait here lasts: a model load and a few steps on a loaded 2-core machine
+TIMING = ("time/", "step_time", "tokens_per_second")
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}  # the CLI's own embedded Prefect
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def ballast(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", CLI, *args], cwd=REPO, env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+
+
+def signal_after_first_step(proc: subprocess.Popen, metrics_glob: str, signum: int) -> tuple[int, str, str]:
+    """Wait (bounded) until a metrics.jsonl matching the glob has a training step, send `signum`, wait for the exit."""
+    deadline = time.monotonic() + WAIT_S
+    while not any(m["step"] >= 1 for path in glob.glob(metrics_glob) for m in read_jsonl(Path(path))):
+        assert proc.poll() is None, f"ballast exited {proc.returncode} before its first step: {proc.stderr.read()}"
+        assert time.monotonic() < deadline, "no training step within the wait"
+        time.sleep(0.2)
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=WAIT_S)
+    return proc.returncode, out, err
+
+
+def last_line(err: str) -> str:
+    return [line for line in err.splitlines() if line.strip()][-1]
+
+
+def deterministic(m: dict) -> dict:
+    return {k: v for k, v in m.items() if not k.startswith(TIMING)}
+
+
+# ── ballast train ──────────────────────────────────────────────────────────────────────────────────
+
+
+@pytest.fixture(scope="module")
+def sigterm_train(tiny_model, tmp_path_factory):
+    """`ballast train` sent SIGTERM after its first step: (exit status, stderr, run directory)."""
+    tmp = tmp_path_factory.mktemp("sigterm-train")
+    spec = tmp / "spec.yaml"
+    spec.write_text(yaml.safe_dump(tiny_spec(tiny_model, **SECTIONS)))
+    run = tmp / "run"
+    code, _, err = signal_after_first_step(
+        ballast("train", str(spec), "--output", str(run), "--quiet"), f"{run}/metrics.jsonl", signal.SIGTERM
+    )
+    return code, err, run
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_model, tmp_path_factory):
+    """The same spec trained without interruption: what a resumed run must reproduce."""
+    out = tmp_path_factory.mktemp("straight")
+    trainer = GRPOTrainer(TrainerConfig.model_validate(tiny_spec(tiny_model, **SECTIONS)), out, progress=False)
+    trainer.train(STEPS)
+    trainer.close()
+    return out
+
+
+def test_sigterm_to_ballast_train_saves_a_checkpoint_after_the_step_and_exits_143_with_one_line(sigterm_train):
+    code, err, run = sigterm_train
+    done = [m["step"] for m in read_jsonl(run / "metrics.jsonl")]
+    step = done[-1]
+    assert code == 143
+    assert done == list(range(1, step + 1)) and step < STEPS
+    assert list_checkpoints(run / "checkpoints")[-1][0] == step
+    assert last_line(err) == (
+        f"run {run} stopped by SIGTERM after step {step}, checkpoint saved "
+        f"({run / 'checkpoints' / f'step-{step:06d}'}); continue with: "
+        f"ballast train {run / 'spec.yaml'} --output {run} --resume"
+    )
+    assert "Traceback" not in err
+
+
+def test_ballast_train_resumed_after_sigterm_continues_from_the_saved_step_as_if_never_stopped(sigterm_train, straight):
+    _, err, run = sigterm_train
+    saved = list_checkpoints(run / "checkpoints")[-1][0]
+    resume = last_line(err).split("continue with: ")[1].split()
+    out, resumed_err = ballast(*resume[1:], "--quiet").communicate(timeout=WAIT_S)
+    assert f"resumed from {run / 'checkpoints' / f'step-{saved:06d}'}" in out, resumed_err[-2000:]
+    got, want = read_jsonl(run / "metrics.jsonl"), read_jsonl(straight / "metrics.jsonl")
+    assert [m["step"] for m in got] == list(range(1, STEPS + 1))
+    assert [deterministic(m) for m in got] == [deterministic(m) for m in want]
+    final = f"step-{STEPS:06d}/adapter/adapter_model.safetensors"
+    a, b = load_file(str(run / "checkpoints" / final)), load_file(str(straight / "checkpoints" / final))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ── ballast run ────────────────────────────────────────────────────────────────────────────────────
+
+
+def pipeline_spec(tiny_model, project: Path) -> Path:
+    path = project.parent / f"{project.name}.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            tiny_spec(tiny_model, name="signalled", project_dir=str(project), probe={"enabled": False}, **SECTIONS)
+        )
+    )
+    return path
+
+
+@pytest.fixture(scope="module", params=[signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def signalled_run(request, tiny_model, tmp_path_factory):
+    """`ballast run` sent the signal after its first step: (signal, exit status, stderr, project, run id)."""
+    project = tmp_path_factory.mktemp("signalled") / "project"
+    code, _, err = signal_after_first_step(
+        ballast("run", str(pipeline_spec(tiny_model, project))), f"{project}/runs/*/metrics.jsonl", request.param
+    )
+    run_id = next((project / "runs").iterdir()).name
+    return request.param, code, err, project, run_id
+
+
+def test_signalled_ballast_run_exits_128_plus_signal_with_one_line_naming_the_run_and_its_resume(signalled_run):
+    signum, code, err, project, run_id = signalled_run
+    step = read_jsonl(project / "runs" / run_id / "metrics.jsonl")[-1]["step"]
+    name = signal.Signals(signum).name
+    assert code == 128 + signum
+    assert re.fullmatch(
+        rf"run {run_id} stopped by {name} after step {step}, checkpoint saved \(.*step-{step:06d}\); "
+        rf"continue with: ballast run --resume {run_id}",
+        last_line(err),
+    ), err
+    assert "Traceback" not in err and "StageError" not in err
+    others = [line for line in err.splitlines()[:-1] if line.strip()]
+    assert others == [f"{name}: finishing this step, then saving a checkpoint (again to stop at once)"]
+
+
+def test_signalled_ballast_run_is_killed_in_mlflow_and_cancelled_in_prefect(signalled_run):
+    _, _, _, project, run_id = signalled_run
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    run = client.get_run(run_id)
+    stages = client.search_runs([run.info.experiment_id], f"tags.mlflow.parentRunId = '{run_id}'")
+    assert run.info.status == "KILLED" and run.data.tags["ballast.status"] == "interrupted"
+    assert {r.data.tags["ballast.stage"]: r.info.status for r in stages} == {"fork": "FINISHED", "train": "KILLED"}
+    with sqlite3.connect(project / "prefect" / "prefect.db") as prefect_db:  # the CLI's embedded Prefect server
+        states = prefect_db.execute("select state_type, state_name from flow_run").fetchall()
+    assert states == [("CANCELLED", "Interrupted")]
+
+
+def test_ballast_run_resumed_after_a_signal_continues_from_the_saved_step(signalled_run):
+    _, _, _, project, run_id = signalled_run
+    run_dir = project / "runs" / run_id
+    saved = list_checkpoints(run_dir / "checkpoints")[-1]
+    saved_bytes = {p.name: p.read_bytes() for p in saved[1].rglob("*") if p.is_file()}
+    proc = ballast("run", "--resume", run_id, "--project-dir", str(project))
+    out, err = proc.communicate(timeout=WAIT_S)
+    assert proc.returncode == 0, err[-3000:]
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert client.get_run(run_id).data.tags["ballast.status"] == "finished"
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, STEPS + 1))
+    assert {p.name: p.read_bytes() for p in saved[1].rglob("*") if p.is_file()} == saved_bytes
+    history = client.get_metric_history(run_id, "reward")
+    assert sorted(m.step for m in history) == list(range(1, STEPS + 1))  # steps up to the signal: logged once
