@@ -18,6 +18,7 @@ first arm also starts Prefect's local server). Prints a table per configuration 
 results.json to the output folder. Savings depend on the share of the space that collapses and on
 trial length: roughly share × (steps − steps to trip) / steps.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,7 +59,10 @@ def run_arm(sweep_path: Path, arm: str, out: Path, model: str | None, steps: int
 
 
 def config_key(params: dict) -> str:
-    return ", ".join(f"{k.split('.')[-1]}={v:g}" if isinstance(v, float) else f"{k.split('.')[-1]}={v}" for k, v in sorted(params.items()))
+    return ", ".join(
+        f"{k.split('.')[-1]}={v:g}" if isinstance(v, float) else f"{k.split('.')[-1]}={v}"
+        for k, v in sorted(params.items())
+    )
 
 
 def main() -> int:
@@ -70,13 +74,17 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out).resolve()
 
-    arms = {arm: run_arm(Path(args.sweep).resolve(), arm, out, args.model, args.steps) for arm in ("pruned", "unpruned")}
+    arms = {
+        arm: run_arm(Path(args.sweep).resolve(), arm, out, args.model, args.steps) for arm in ("pruned", "unpruned")
+    }
     rows = {}
     for arm, r in arms.items():
         for t in r["summary"]["trials"]:
             rows.setdefault(config_key(t["params"]), {})[arm] = t
 
-    print(f"\nCollapse pruning on {Path(args.sweep).name}: same grid, same order; pruned = health gate prunes, unpruned = gate off\n")
+    print(
+        f"\nCollapse pruning on {Path(args.sweep).name}: same grid, same order; pruned = health gate prunes, unpruned = gate off\n"
+    )
     print(f"{'configuration':<34} {'pruned: state, steps':<28} {'unpruned: steps, eval/reward':<30}")
     for key, by in rows.items():
         p, u = by.get("pruned", {}), by.get("unpruned", {})
@@ -86,24 +94,40 @@ def main() -> int:
         uv = f"{u.get('steps', '-')}, " + (f"{list(u['values'].values())[0]:.3f}" if u.get("values") else "-")
         print(f"{key:<34} {pv:<28} {uv:<30}")
 
-    print(f"\n{'arm':<10} {'trials':>6} {'complete':>8} {'pruned':>6} {'trial-steps':>11} {'trial s':>7} {'wall s':>7}  best configuration (eval/reward)")
+    print(
+        f"\n{'arm':<10} {'trials':>6} {'complete':>8} {'pruned':>6} {'trial-steps':>11} {'trial s':>7} {'wall s':>7}  best configuration (eval/reward)"
+    )
     for arm, r in arms.items():
         s = r["summary"]
         best = s.get("best") or {}
         bv = f"{list(best['values'].values())[0]:.3f}" if best.get("values") else "-"
-        print(f"{arm:<10} {sum(s['states'].values()):>6} {s['states'].get('COMPLETE', 0):>8} {s['states'].get('PRUNED', 0):>6} "
-              f"{s['trial_steps']:>11} {sum(t['seconds'] or 0 for t in s['trials']):>7.0f} {r['seconds']:>7.0f}  "
-              f"{config_key(best.get('params', {}))} ({bv})")
+        print(
+            f"{arm:<10} {sum(s['states'].values()):>6} {s['states'].get('COMPLETE', 0):>8} {s['states'].get('PRUNED', 0):>6} "
+            f"{s['trial_steps']:>11} {sum(t['seconds'] or 0 for t in s['trials']):>7.0f} {r['seconds']:>7.0f}  "
+            f"{config_key(best.get('params', {}))} ({bv})"
+        )
     steps_p, steps_u = arms["pruned"]["summary"]["trial_steps"], arms["unpruned"]["summary"]["trial_steps"]
     saved = 1 - steps_p / steps_u if steps_u else 0.0
     best_p = (arms["pruned"]["summary"].get("best") or {}).get("params")
     best_u = (arms["unpruned"]["summary"].get("best") or {}).get("params")
-    print(f"\ntrial-steps saved by collapse pruning: {steps_u - steps_p} of {steps_u} = {saved:.0%} "
-          f"(target >= 40%): {'met' if saved >= 0.40 else 'NOT met'}")
-    print(f"same best configuration: {'yes' if best_p == best_u else 'NO'}  ({config_key(best_p or {})} vs {config_key(best_u or {})})")
-    (out / "results.json").write_text(json.dumps({"saved": saved, "same_best": best_p == best_u,
-                                                  "arms": {a: {"seconds": r["seconds"], "summary": r["summary"]} for a, r in arms.items()}},
-                                                 indent=1, default=str))
+    print(
+        f"\ntrial-steps saved by collapse pruning: {steps_u - steps_p} of {steps_u} = {saved:.0%} "
+        f"(target >= 40%): {'met' if saved >= 0.40 else 'NOT met'}"
+    )
+    print(
+        f"same best configuration: {'yes' if best_p == best_u else 'NO'}  ({config_key(best_p or {})} vs {config_key(best_u or {})})"
+    )
+    (out / "results.json").write_text(
+        json.dumps(
+            {
+                "saved": saved,
+                "same_best": best_p == best_u,
+                "arms": {a: {"seconds": r["seconds"], "summary": r["summary"]} for a, r in arms.items()},
+            },
+            indent=1,
+            default=str,
+        )
+    )
     print(f"results: {out / 'results.json'}")
     return 0
 

@@ -14,6 +14,7 @@ The parent also compares the two results (max abs difference of the logprobs).
     python bench/logprob_memory.py                      # the default table, bf16 (~1.5 min on 2 CPU cores)
     python bench/logprob_memory.py --tokens 2048 --dtypes float32 --chunk-size 512
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,7 +61,7 @@ def run_child(method: str, tokens: int, dtype_name: str, chunk_size: int, out_pa
     generator = torch.Generator(device=device).manual_seed(0)
     seq_len = tokens // BATCH
     hidden = torch.randn(BATCH, seq_len, HIDDEN, generator=generator, device=device, dtype=dtype)
-    weight = torch.randn(VOCAB, HIDDEN, generator=generator, device=device, dtype=dtype) * HIDDEN ** -0.5
+    weight = torch.randn(VOCAB, HIDDEN, generator=generator, device=device, dtype=dtype) * HIDDEN**-0.5
     labels = torch.randint(0, VOCAB, (BATCH, seq_len), generator=generator, device=device)
 
     def call(h, lab):
@@ -69,7 +70,7 @@ def run_child(method: str, tokens: int, dtype_name: str, chunk_size: int, out_pa
         return chunked_logprobs(h, weight, lab, chunk_size)
 
     with torch.no_grad():
-        call(hidden[:1, :2], labels[:1, :2])                      # warm-up: thread pools, kernels
+        call(hidden[:1, :2], labels[:1, :2])  # warm-up: thread pools, kernels
         if device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -89,9 +90,24 @@ def run_child(method: str, tokens: int, dtype_name: str, chunk_size: int, out_pa
 
 
 def measure(method: str, tokens: int, dtype_name: str, chunk_size: int, out_path: str) -> dict:
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", method, "--tokens", str(tokens),
-                           "--dtypes", dtype_name, "--chunk-size", str(chunk_size), "--out", out_path],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--child",
+            method,
+            "--tokens",
+            str(tokens),
+            "--dtypes",
+            dtype_name,
+            "--chunk-size",
+            str(chunk_size),
+            "--out",
+            out_path,
+        ],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{method} tokens={tokens} {dtype_name} failed:\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -100,8 +116,12 @@ def measure(method: str, tokens: int, dtype_name: str, chunk_size: int, out_path
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[8 * 256, 8 * 1024], help="B*T (B = 8)")
-    parser.add_argument("--dtypes", nargs="+", default=["bfloat16"],
-                        help="hidden/weight dtype; adding float32 costs ~2 more minutes on 2 CPU cores")
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["bfloat16"],
+        help="hidden/weight dtype; adding float32 costs ~2 more minutes on 2 CPU cores",
+    )
     parser.add_argument("--chunk-size", type=int, default=1024)
     parser.add_argument("--child", choices=["naive", "chunked"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -111,10 +131,14 @@ def main() -> None:
         return
 
     device = "cuda (max_memory_allocated)" if torch.cuda.is_available() else "cpu (peak RSS delta)"
-    print(f"logprob memory: vocab {VOCAB}, hidden {HIDDEN}, batch {BATCH}, chunk_size {args.chunk_size}, "
-          f"forward only, {device}")
-    header = (f"{'tokens':>7} {'vocab':>7} {'dtype':>9} {'naive peak MiB':>15} {'chunked peak MiB':>17} "
-              f"{'ratio':>6} {'max abs diff':>13} {'naive s':>8} {'chunked s':>10}")
+    print(
+        f"logprob memory: vocab {VOCAB}, hidden {HIDDEN}, batch {BATCH}, chunk_size {args.chunk_size}, "
+        f"forward only, {device}"
+    )
+    header = (
+        f"{'tokens':>7} {'vocab':>7} {'dtype':>9} {'naive peak MiB':>15} {'chunked peak MiB':>17} "
+        f"{'ratio':>6} {'max abs diff':>13} {'naive s':>8} {'chunked s':>10}"
+    )
     print(header)
     print("-" * len(header))
     with tempfile.TemporaryDirectory() as tmp:
@@ -125,9 +149,12 @@ def main() -> None:
                 chunked = measure("chunked", tokens, dtype_name, args.chunk_size, paths["chunked"])
                 diff = (torch.load(paths["naive"]) - torch.load(paths["chunked"])).abs().max().item()
                 ratio = naive["peak_mib"] / max(chunked["peak_mib"], 1e-9)
-                print(f"{tokens:>7} {VOCAB:>7} {dtype_name:>9} {naive['peak_mib']:>15.0f} "
-                      f"{chunked['peak_mib']:>17.0f} {ratio:>6.1f} {diff:>13.2e} {naive['seconds']:>8.2f} "
-                      f"{chunked['seconds']:>10.2f}", flush=True)
+                print(
+                    f"{tokens:>7} {VOCAB:>7} {dtype_name:>9} {naive['peak_mib']:>15.0f} "
+                    f"{chunked['peak_mib']:>17.0f} {ratio:>6.1f} {diff:>13.2e} {naive['seconds']:>8.2f} "
+                    f"{chunked['seconds']:>10.2f}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ The stage durations come from the run's MLflow records. Reported in seconds and 
 
     python bench/orchestration.py [--spec examples/quickstart.yaml] [--steps N [N ...]] [--model DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,10 +37,12 @@ def ballast(*args: str) -> float:
 
 def stages_of_newest_run(project: Path) -> dict[str, float]:
     from mlflow.tracking import MlflowClient
+
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     exp = client.get_experiment_by_name("ballast")
-    parent = client.search_runs([exp.experiment_id], "tags.`ballast.spec_hash` != ''", order_by=["attributes.start_time DESC"],
-                                max_results=1)[0]
+    parent = client.search_runs(
+        [exp.experiment_id], "tags.`ballast.spec_hash` != ''", order_by=["attributes.start_time DESC"], max_results=1
+    )[0]
     kids = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
     return {r.data.tags["ballast.stage"]: (r.info.end_time - r.info.start_time) / 1000 for r in kids}
 
@@ -53,6 +56,7 @@ def main() -> None:
 
     from tasks.spec import load_spec
     from trainer.model import ensure_model
+
     root = Path(tempfile.mkdtemp(prefix="ballast-bench-orch-"))
     project = root / "project"
     table = []
@@ -65,7 +69,7 @@ def main() -> None:
         ensure_model(spec.model)  # built once, before anything is timed
         alone = ballast("train", args.spec, *overrides, "--output", str(root / f"alone-{i}"), "--quiet")
         table.append((f"{spec.optim.steps} steps", "A. ballast train (trainer alone)", alone, None))
-        for label in (("cold", "warm") if i == 0 else ("warm",)):
+        for label in ("cold", "warm") if i == 0 else ("warm",):
             wall = ballast("run", args.spec, *overrides)
             stages = stages_of_newest_run(project)
             beyond = stages.get("artifact-probe", 0.0) + stages.get("eval", 0.0)
@@ -74,8 +78,10 @@ def main() -> None:
             table.append(("", f"   stages: train {stages.get('train', 0):.1f}, probe + eval {beyond:.1f}", None, None))
             table.append(("", f"   overhead ({label}) = B - A - probe - eval", overhead, 100 * overhead / alone))
 
-    print(f"\norchestration overhead: {args.spec}, device {spec.model.device}, {os.cpu_count()} CPU cores; "
-          "each command in its own process; cold = a new project folder, warm = every later run")
+    print(
+        f"\norchestration overhead: {args.spec}, device {spec.model.device}, {os.cpu_count()} CPU cores; "
+        "each command in its own process; cold = a new project folder, warm = every later run"
+    )
     print(f"{'run':<11}{'what':<52}{'seconds':>9}{'% of A':>9}")
     print("-" * 81)
     for run, name, sec, pct in table:
