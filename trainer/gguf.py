@@ -37,9 +37,9 @@ import gguf
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from transformers.utils import logging as hf_logging
 
 from .special_tokens import assistant_terminator, check_special_tokens, generation_eos_ids
+from .tiny import hf_progress_bars
 
 BUILD_RECORD = "ballast_build.json"
 CONVERSION_VERSION = 1  # bump when the directory written for the same GGUF changes (test caches are keyed on it)
@@ -187,7 +187,7 @@ def convert_gguf(gguf_file: str | Path, path: str | Path, source: dict | None = 
         )
     started = time.perf_counter()
     meta = read_gguf_tokens(gguf_file)
-    with _hf_progress_bars(progress):
+    with hf_progress_bars(progress):
         tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
         model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
     fixes = fix_special_tokens(tokenizer, model, meta)
@@ -198,7 +198,7 @@ def convert_gguf(gguf_file: str | Path, path: str | Path, source: dict | None = 
         tokenizer.model_max_length = int(meta.context_length)
 
     with _atomic_directory(path) as tmp:
-        with _hf_progress_bars(progress):
+        with hf_progress_bars(progress):
             model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         _portable_tokenizer_config(tmp / "tokenizer_config.json")
@@ -255,18 +255,6 @@ def _atomic_directory(path: Path):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-@contextmanager
-def _hf_progress_bars(enabled: bool):
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    if not enabled:
-        hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
 
 
 def _sha256(path: Path) -> str:

@@ -1,79 +1,19 @@
 """Text-health detectors and the health gate — one home for both the per-step collapse metrics of
 training and the artifact probe's classifier, so a "repetition loop" means the same thing in both.
 
-The detectors, and the thresholds they use (module constants below, named for what they tune):
+Detectors (thresholds are the module constants below, named for what they tune; each function's docstring
+gives its rules): `ngram_repetition`, `unique_token_ratio`, `garbage_score` / `symbol_soup` / `is_garbage`
+(undecodable bytes, control characters, emoji soup — never code or other scripts), `repetition_loop` (repeated
+lines, words, characters, and near-identical lines that differ only in numbers). `classify()` names what is
+wrong with one completion as reason strings ('repetition_loop: line "foo" x7', 'length_cap: ...',
+'format_missing: ...', 'garbage: ...', 'too_long: ...'); `reason_code()` strips the detail.
 
-* `ngram_repetition(tokens, n=3)` — the share of a sequence's n-grams that repeat an n-gram seen
-  earlier in the same sequence: (number of n-grams - number of distinct n-grams) / number of
-  n-grams. 0.0 when the sequence has fewer than n + 1 items (at most one n-gram, nothing to
-  repeat). Works on token ids, on a string (characters) or on a list of words. A sequence that is
-  one token over and over tends to 1.0 (the gate's default threshold, on token ids, is 0.6).
-* `unique_token_ratio(tokens)` — distinct / total; 1.0 for an empty sequence.
-* `garbage_score(text)` — the weighted share of characters that are not ordinary text:
-  weight 1 for control characters (other than tab, newline, carriage return), the replacement
-  character U+FFFD and lone surrogates (bytes that failed to decode, with errors='replace' or
-  'surrogateescape'), private-use and unassigned code points; weight 1/2 for unusual symbols
-  (Unicode categories So and Sk outside ASCII — emoji, dingbats, pictographs — and invisible format
-  characters such as zero-width spaces). Printable ASCII is always ordinary, so source code with
-  braces, operators and indentation scores 0, and so do letters, digits, punctuation and math
-  symbols of any script, and box-drawing characters (tables, `tree` output).
-  `is_garbage(text)` is `garbage_score(text) > GARBAGE_THRESHOLD` (0.15): a stray U+FFFD at the end
-  of a long completion cut mid-character does not make it garbage; random bytes do (decoded as
-  UTF-8 with replacement, about half the characters are U+FFFD, score ~0.55; decoded as Latin-1, a
-  quarter are control characters, score ~0.27). A text that is over 30% emoji also counts as
-  garbage, and so does a lone emoji. Not caught: random *printable ASCII* — character statistics
-  cannot tell it from code; the repetition and format detectors and the rewards see it instead.
-* `symbol_soup(text)` — emoji and pictographs (So, Sk, private use; not box drawing) mixed with words:
-  at least SOUP_MIN_SYMBOLS (8) of them, and at least SOUP_MIN_SHARE (half) of symbols + words
-  ("🌈✨ vibes 🦄💖 🎶 ..."). Counted against words, not characters, because spaces and long words
-  dilute a per-character score. `is_garbage` is true for either. An emoji bullet list ("✅ Drink water")
-  or a few emoji in a sentence are text.
-* `repetition_loop(text)` — a degenerate loop, checked in this order, first hit wins:
-    - lines: a block of 1 to LOOP_MAX_BLOCK_LINES consecutive lines repeated back to back at least
-      LOOP_MIN_LINE_COPIES (3) times. Blank lines are ignored; indentation counts (so the closing
-      braces of nested blocks are different lines); the block must contain a letter or digit.
-    - words: within one line, a run of 1 to LOOP_MAX_WORD_PERIOD words repeated back to back —
-      at least LOOP_MIN_WORD_COPIES (4) copies of a single word ("the the the the", "= = = = ="),
-      at least LOOP_MIN_PHRASE_COPIES (3) copies of a longer phrase with at least two words that
-      hold a letter or digit (so a markdown table row "| 0 | 0 | 0 |" is not a loop).
-    - characters: a unit of 1 to LOOP_MAX_CHAR_PERIOD characters containing a letter or digit,
-      repeated back to back at least LOOP_MIN_CHAR_COPIES (4) times over at least LOOP_MIN_CHAR_SPAN
-      (20) characters ("abcabcabc...", "aaaa..."); runs of "=", "-" or spaces (rules, banners,
-      indentation) and a 16-digit hex constant are not loops.
-    - numbered: the same three checks with every run of digits read as one placeholder, for loops of
-      near-identical lines that differ only in numbers ("41. Add the numbers." / "42. Add the
-      numbers.", timestamps "00:01:02 --> 00:01:03"). A unit with 3+ letters must repeat
-      LOOP_MIN_NUMBERED_COPIES (12) times, a unit of numbers and punctuation with 2+ numbers in it (a
-      timestamp, a date) LOOP_MIN_PATTERN_COPIES (16) times; a single bare number per unit never
-      counts, so lists of numbers ("2, 3, 5, 7, 11, ...") are not loops, and a 12-row times table or a
-      10-epoch training log is under the count.
-  A few similar lines of code, a short answer, a markdown list or a JSON object are not loops.
-
-`classify()` names what is wrong with one completion, as a list of reason strings. Each reason is
-a code from `REASONS`, optionally followed by ': ' and a human-readable detail:
-
-    'repetition_loop: line "foo" x7'      repetition_loop() found a loop (its description)
-    'length_cap: stopped at 32 tokens (max_tokens=32)'   the engine's finish_reason was 'length'
-    'format_missing: no <output>...</output> pair'        (or '<output></output> is empty')
-    'garbage: score 0.64 (control, undecodable or unusual characters)'
-    'too_long: 812 chars > 3 x expected 120'
-
-`reason_code(reason)` strips the detail. Reasons come in the order of `REASONS`.
-
-`batch_health()` gives the per-step collapse metrics (health/ngram_repetition and
-health/unique_token_ratio on completion token ids, health/garbage_ratio on texts), and
-`HealthGate` watches those and a few trainer metrics against `HealthConfig`: a signal beyond its
-threshold for `patience` consecutive steps stops the run with 'collapsed: ...'. A signal absent
-from a step's metrics or NaN leaves its counter as it was (no evidence either way); a value back in
-range resets it. Steps before `min_step` are not counted at all.
-
-Reward hacking is gated the same way, on `hacking_signals()` of each step and the trends `HealthGate.observe()`
-reads over windows kept in its state: a reward that pays length (length and reward correlated within the groups),
-the completions of a prompt converging on one text, a paying reward component rising while the correctness one
-falls (least-squares lines over `trend_window` steps, counted only when `trend_min_t` standard errors from flat, so
-a small batch's noise is no trend), and the training reward rising while the held-out score does not (across
-`divergence_window` eval points: without eval.every there are none). Their reasons also start 'collapsed:' (the
-run's status and the sweep pruner act on them as on any collapse) and say 'reward hacking: ...' and what was seen.
+`batch_health()` gives a step's collapse metrics and `hacking_signals()` its reward-hacking signals
+(length-reward correlation within groups, group diversity). `HealthGate` watches them, the trainer's own
+metrics and trends over steps against `HealthConfig`: a signal beyond its threshold for `patience` consecutive
+steps stops the run with 'collapsed: ...' (for hacking: 'collapsed: ... (reward hacking: ...)'), so the run's
+status and the sweep pruner act on both alike. Not caught: random *printable ASCII* — character statistics
+cannot tell it from code; the repetition and format detectors and the rewards see it instead.
 """
 
 from __future__ import annotations
@@ -168,7 +108,15 @@ def _char_weight(ch: str) -> float:
 
 
 def garbage_score(text: str) -> float:
-    """Weighted share of characters that are not ordinary text (0.0 for an empty text)."""
+    """Weighted share of characters that are not ordinary text (0.0 for an empty text).
+
+    Weight 1 for control characters (other than tab, newline, carriage return), U+FFFD and lone surrogates
+    (bytes that failed to decode), private-use and unassigned code points; weight 1/2 for unusual symbols (So and
+    Sk outside ASCII — emoji, dingbats — and invisible format characters). Printable ASCII, letters, digits,
+    punctuation and math symbols of any script and box drawing are ordinary, so code scores 0. `is_garbage` is
+    `garbage_score > GARBAGE_THRESHOLD` (0.15): a stray U+FFFD at the end of a long completion is not garbage;
+    random bytes are (~0.55 as UTF-8 with replacement, ~0.27 as Latin-1).
+    """
     if not text:
         return 0.0
     return sum(_char_weight(ch) for ch in text) / len(text)
@@ -182,7 +130,13 @@ _WORD = re.compile(r"[^\W_]+")
 
 
 def symbol_soup(text: str) -> str | None:
-    """'12 symbols or emoji to 5 words' when emoji and symbols crowd out the words, else None."""
+    """'12 symbols or emoji to 5 words' when emoji and symbols crowd out the words, else None.
+
+    At least SOUP_MIN_SYMBOLS (8) emoji/pictographs (So, Sk, private use; not box drawing) and at least
+    SOUP_MIN_SHARE (half) of symbols + words. Counted against words, not characters, because spaces and long
+    words dilute a per-character score. An emoji bullet list ("✅ Drink water") or a few emoji in a sentence
+    are text.
+    """
     symbols = sum(map(_is_symbol, text))
     if symbols < SOUP_MIN_SYMBOLS:
         return None
@@ -298,7 +252,20 @@ def _char_loop(text: str, numbered: bool = False) -> str | None:
 
 def repetition_loop(text: str) -> str | None:
     """A short description of the first repetition loop found ('line "foo" x7', 'word "the" x12',
-    'chars "abc" x30', '2 lines "a / b" x5', 'line "41. Add." x30, differing only in numbers'), or None."""
+    'chars "abc" x30', '2 lines "a / b" x5', 'line "41. Add." x30, differing only in numbers'), or None.
+
+    Checked in this order, first hit wins:
+    - lines: a block of 1 to LOOP_MAX_BLOCK_LINES consecutive lines repeated back to back at least
+      LOOP_MIN_LINE_COPIES (3) times (blank lines ignored; indentation counts; the block holds a letter or digit);
+    - words: within one line, at least LOOP_MIN_WORD_COPIES (4) copies of one word, or LOOP_MIN_PHRASE_COPIES (3)
+      of a phrase with two words holding a letter or digit (a table row "| 0 | 0 |" is not a loop);
+    - characters: a unit of 1 to LOOP_MAX_CHAR_PERIOD characters with a letter or digit, repeated at least
+      LOOP_MIN_CHAR_COPIES (4) times over LOOP_MIN_CHAR_SPAN (20) characters (rules "====" are not loops);
+    - numbered: the same three with every run of digits as one placeholder ("41. Add the numbers." / "42. ...",
+      timestamps): a unit with 3+ letters needs LOOP_MIN_NUMBERED_COPIES (12) copies, one of numbers and
+      punctuation LOOP_MIN_PATTERN_COPIES (16); a bare number per unit never counts, so number lists, a 12-row
+      times table or a 10-epoch training log are not loops.
+    """
     return (
         _line_loop(text)
         or _word_loop(text)
@@ -544,7 +511,13 @@ class HealthGate:
     that rose most (`weights`: a component with weight 0 pays nothing) over the last `trend_window` steps, and at
     an eval step the rises of the training reward and of the held-out score over the last `divergence_window` eval
     points. The trend alarms count only in a step that went through observe(). The windows are part of
-    state_dict, so a resumed run reads the same trends as an uninterrupted one."""
+    state_dict, so a resumed run reads the same trends as an uninterrupted one.
+
+    A signal absent from a step's metrics or NaN leaves its counter as it was (no evidence either way); a value
+    back in range resets it; steps before `min_step` are not counted. The trends are least-squares lines over
+    `trend_window` steps, counted only `trend_min_t` standard errors from flat (a small batch's noise is no trend);
+    the train-vs-held-out divergence reads `divergence_window` eval points (none without eval.every).
+    """
 
     def __init__(self, cfg: HealthConfig, correctness: str | None = None, weights: dict[str, float] | None = None):
         self.cfg, self.correctness = cfg, correctness

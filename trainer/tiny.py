@@ -316,7 +316,7 @@ def _held_out(recipe: TinyArithRecipe) -> list:
 
 
 @contextmanager
-def _hf_progress_bars(enabled: bool):
+def hf_progress_bars(enabled: bool):
     """Turn transformers' own progress bars (e.g. "Writing model shards") off inside the block when not enabled."""
     was_enabled = hf_logging.is_progress_bar_enabled()
     if not enabled:
@@ -354,7 +354,7 @@ def build_tiny_arith(
         sampled["expected_accuracy"] = round(_expected_accuracy(model, tokenizer, held_out), 4)
 
         tmp.mkdir()
-        with _hf_progress_bars(progress):
+        with hf_progress_bars(progress):
             model.save_pretrained(tmp)
         _save_tokenizer(tokenizer, tmp)
         record = {
