@@ -518,3 +518,14 @@ def test_hf_engine_samples_exactly_what_generate_samples(tiny_model, settings):
     for a, b in zip(ours, theirs):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
     assert min(len(c.token_ids) for c in ours) >= settings.get("min_tokens", 1)
+
+
+def test_without_a_reference_no_kl_is_reported_and_the_progress_bar_shows_none(tiny_model, tmp_path):
+    """beta 0: no reference model, so no KL is measured — none is reported (as TRL), never a false 0."""
+    t = trainer_for(
+        tiny_model, tmp_path, progress=True, grpo={"num_generations": 4, "prompts_per_step": 2, "beta": 0.0}
+    )
+    m = t.train(1).history[0]
+    t.close()
+    assert not {"kl", "kl/k1", "kl/k2", "kl/k3"} & set(m)
+    assert "kl" not in read_jsonl(tmp_path / "metrics.jsonl")[0]

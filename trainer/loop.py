@@ -395,7 +395,7 @@ class GRPOTrainer:
                 bar.update(
                     task,
                     completed=step,
-                    info=f"reward {m['reward']:.3f}  kl {m['kl']:.4f}  len {m['completions/mean_length']:.1f}",
+                    info=_bar_info(m),
                 )
                 if stopped:
                     break
@@ -652,3 +652,9 @@ def _progress(enabled: bool):
         disable=not enabled,
         transient=False,
     )
+
+
+def _bar_info(m: dict) -> str:
+    """The progress bar's step summary: reward, KL (when there is a reference) and length."""
+    kl = f"  kl {m['kl']:.4f}" if "kl" in m else ""
+    return f"reward {m['reward']:.3f}{kl}  len {m['completions/mean_length']:.1f}"

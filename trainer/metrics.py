@@ -43,7 +43,8 @@ METRICS: dict[str, str] = {
     "(0 when none did).",
     "completions/min_terminated_length": "Shortest of those (0 when none).",
     "completions/max_terminated_length": "Longest of those (0 when none).",
-    "kl": "Mean per-token KL(policy || reference) over loss tokens, k3 estimator (as TRL's 'kl'); 0 when beta = 0.",
+    "kl": "Mean per-token KL(policy || reference) over loss tokens, k3 estimator (as TRL's 'kl'); absent when "
+    "beta = 0 (no reference model).",
     "kl/k1": "Mean of log pi - log pi_ref (unbiased, can be negative per token).",
     "kl/k2": "Mean of (log pi - log pi_ref)^2 / 2.",
     "kl/k3": "Mean of exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1 (unbiased, non-negative).",
@@ -217,9 +218,7 @@ def update_metrics(terms: LossTerms, loss_mask: Tensor, level: str) -> dict[str,
         for name in ("k1", "k2", "k3"):
             m[f"kl/{name}"] = _masked_mean(terms.kl[name], mask)
         m["kl"] = m["kl/k3"]
-    else:
-        m.update({"kl": 0.0, "kl/k1": 0.0, "kl/k2": 0.0, "kl/k3": 0.0})
-    return m
+    return m  # beta = 0: no reference, so no KL is measured and none is reported (as TRL), never a false 0
 
 
 def entropy_metric(entropy: Tensor, loss_mask: Tensor) -> dict[str, float]:
