@@ -246,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # tables are appended by download
     os.environ.setdefault("DO_NOT_TRACK", "1")  # else Prefect prints a telemetry notice on its first import in a TTY
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     for stream in (sys.stdout, sys.stderr):  # piped (tee, CI logs): every line as it is written, not per 8 KB block

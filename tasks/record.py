@@ -408,7 +408,8 @@ class RunRecorder:
             time.perf_counter() - self.started,
         )
         result.run_name, result.mlflow_url = self.name, self.url
-        history = ([outcome.eval_start] if outcome.eval_start else []) + outcome.history
+        final_eval = [{"step": outcome.last_step, **evaluation.metrics}] if evaluation else []  # the eval stage's
+        history = ([outcome.eval_start] if outcome.eval_start else []) + outcome.history + final_eval
         gate = (outcome.last_step, outcome.stopped) if outcome.stopped else None
         plots = plot_history(history, self.output_dir / "plots", self.spec.health, gate)
         self.client.log_artifacts(self.run_id, str(self.output_dir / "plots"), "plots")
