@@ -496,3 +496,45 @@ def test_close_leaves_no_server_process(served):
     port = int(url.rsplit(":", 1)[1])
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+# ------------------------------------------------------------------------------------------ a real chat model
+
+
+def test_smollm2_trains_two_steps_through_its_own_vllm_server_with_the_policy_proved_and_im_end_stops(
+    vllm_python, smollm2, tmp_path
+):
+    """examples/smollm2.yaml with the vLLM engine (a server the trainer starts on the real model, fp32): every sync
+    is proved by the served-policy check, the engine's logprobs are the trainer's, and completions end at the chat
+    template's <|im_end|> (finish 'stop', the token not in the text)."""
+    from tasks.spec import load_spec
+
+    sets = [
+        f"model.name_or_path={smollm2}",
+        "grpo.prompts_per_step=1",
+        "grpo.num_generations=4",
+        "optim.steps=2",
+        "rollout.max_tokens=64",
+        "rollout.engine=vllm",
+        f"rollout.vllm_python={vllm_python}",
+        "rollout.vllm_dtype=float32",
+        f"rollout.vllm_startup_timeout_s={STARTUP_TIMEOUT_S}",
+        "eval.on_start=false",
+    ]
+    cfg = load_spec(REPO / "examples" / "smollm2.yaml", sets).trainer_config()
+    trainer = GRPOTrainer(cfg, tmp_path / "run", progress=False)
+    try:
+        result = trainer.train(2)
+        engine = trainer.engine
+        assert [m["step"] for m in result.history] == [1, 2] and result.stopped is None
+        assert engine.last_sync.version.endswith("v000002")
+        assert engine.last_sync.max_logprob_diff < engine.last_sync.tolerance == 1e-3
+        for m in result.history:
+            assert m["sampling/sampling_logp_difference/max"] < 1e-2, m  # 49k-vocab fp32 kernels: ~1e-4 measured
+            assert m["sampling/frac_logprobs_valid"] == 1.0
+    finally:
+        trainer.close()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    stopped = [r for r in rows if r["finish_reason"] == "stop"]
+    assert stopped, rows
+    assert all("<|im_end|>" not in r["completion"] and r["tokens"] < 64 for r in stopped)
