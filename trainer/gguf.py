@@ -23,13 +23,9 @@ import hashlib
 import importlib
 import importlib.metadata
 import json
-import os
-import shutil
 import subprocess
 import sys
 import time
-import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +35,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .special_tokens import assistant_terminator, check_special_tokens, generation_eos_ids
-from .tiny import hf_progress_bars
+from .tiny import atomic_directory, hf_progress_bars
 
 BUILD_RECORD = "ballast_build.json"
 CONVERSION_VERSION = 1  # bump when the directory written for the same GGUF changes (test caches are keyed on it)
@@ -197,7 +193,7 @@ def convert_gguf(gguf_file: str | Path, path: str | Path, source: dict | None = 
     if meta.context_length:
         tokenizer.model_max_length = int(meta.context_length)
 
-    with _atomic_directory(path) as tmp:
+    with atomic_directory(path) as tmp:
         with hf_progress_bars(progress):
             model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -235,26 +231,6 @@ def _portable_tokenizer_config(config_path: Path) -> None:
         config.pop(key, None)
     config.update(tokenizer_class="PreTrainedTokenizerFast", clean_up_tokenization_spaces=False)
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
-@contextmanager
-def _atomic_directory(path: Path):
-    """Yield a temporary sibling of `path`; on success rename it to `path` (unless another process got there
-    first with a complete model: then ours is dropped). The temporary directory never outlives the block."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.building-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        yield tmp
-        try:
-            if path.is_dir():
-                path.rmdir()  # an empty directory is replaced; rmdir refuses a non-empty one
-            os.rename(tmp, path)
-        except OSError:
-            if not (path / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _sha256(path: Path) -> str:

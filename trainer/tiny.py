@@ -328,6 +328,26 @@ def hf_progress_bars(enabled: bool):
             hf_logging.enable_progress_bar()
 
 
+@contextmanager
+def atomic_directory(path: Path):
+    """Yield a temporary sibling of `path`; on success rename it to `path` (unless another process got there
+    first with a complete model: then ours is dropped). The temporary directory never outlives the block."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.building-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        try:
+            if path.is_dir():
+                path.rmdir()  # an empty directory is replaced; rmdir refuses a non-empty one
+            os.rename(tmp, path)
+        except OSError:
+            if not (path / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def build_tiny_arith(
     path: str | Path, seed: int = 0, warmup_steps: int = RECIPE.warmup_steps, progress: bool = True
 ) -> Path:
@@ -340,20 +360,16 @@ def build_tiny_arith(
             f"cannot build the tiny model at {str(path)!r}: it exists and is not an empty directory; "
             "choose a new path or remove it"
         )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.building-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     started = time.perf_counter()
-    try:
-        torch.manual_seed(seed)
-        tokenizer = _build_tokenizer(recipe.max_position_embeddings)
-        model = _build_model(tokenizer, recipe)
-        held_out = _held_out(recipe)
-        warm_up = _warm_up(model, tokenizer, recipe, warmup_steps, seed, progress, held_out)
-        greedy = _measure(model, tokenizer, held_out, do_sample=False, seed=seed)
-        sampled = _measure(model, tokenizer, held_out * recipe.eval_samples, do_sample=True, seed=seed)
-        sampled["expected_accuracy"] = round(_expected_accuracy(model, tokenizer, held_out), 4)
-
-        tmp.mkdir()
+    torch.manual_seed(seed)
+    tokenizer = _build_tokenizer(recipe.max_position_embeddings)
+    model = _build_model(tokenizer, recipe)
+    held_out = _held_out(recipe)
+    warm_up = _warm_up(model, tokenizer, recipe, warmup_steps, seed, progress, held_out)
+    greedy = _measure(model, tokenizer, held_out, do_sample=False, seed=seed)
+    sampled = _measure(model, tokenizer, held_out * recipe.eval_samples, do_sample=True, seed=seed)
+    sampled["expected_accuracy"] = round(_expected_accuracy(model, tokenizer, held_out), 4)
+    with atomic_directory(path) as tmp:  # another process that built the same model meanwhile keeps its directory
         with hf_progress_bars(progress):
             model.save_pretrained(tmp)
         _save_tokenizer(tokenizer, tmp)
@@ -373,16 +389,6 @@ def build_tiny_arith(
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         }
         (tmp / BUILD_RECORD).write_text(json.dumps(record, indent=2) + "\n")
-        try:
-            if path.is_dir():
-                path.rmdir()  # an empty directory is replaced; rmdir refuses a non-empty one
-            os.rename(tmp, path)
-        except OSError:
-            if not (path / "config.json").is_file():
-                raise
-            # another process built the same model meanwhile: keep its directory, drop ours
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
