@@ -59,7 +59,7 @@ from tasks.spec import (
     validate_spec,
 )
 from trainer.config import HealthConfig
-from trainer.health import GATE_SIGNALS
+from trainer.health import GATE_SIGNALS, counts_in
 from trainer.metrics import METRICS
 
 
@@ -414,7 +414,7 @@ def stability(history: list[dict], health: HealthConfig) -> float:
     worst = 0.0
     for m in history:
         for name, alarm in GATE_SIGNALS.items():
-            if getattr(alarm, "also", None):
+            if getattr(alarm, "also", None) or not counts_in(alarm, m):
                 continue
             value, threshold = m.get(name), getattr(health, alarm[0])
             if value is None or value != value or threshold <= 0:

@@ -453,6 +453,17 @@ def test_collapsing_run_trips_after_exactly_patience_steps():
     assert results[5].startswith("collapsed: completions/clipped_ratio=1 > 0.9 for 3 consecutive steps")
 
 
+def test_the_logprob_difference_counts_only_in_steps_trained_on_the_current_policys_batch():
+    """With rollout.max_off_policy_steps the difference is mostly the intended policy lag (measured on the
+    quickstart with vLLM: max 1.7 at k=1, 5.0 at k=2): those steps are not read; on-policy steps are."""
+    lagged = {**HEALTHY, "sampling/sampling_logp_difference/max": 2.0, "sampling/staleness/max": 1.0}
+    gate = HealthGate(HealthConfig(patience=2))
+    assert [gate.update(step, lagged) for step in range(1, 6)] == [None] * 5
+    on_policy = {**lagged, "sampling/staleness/max": 0.0}
+    results = [gate.update(step, on_policy) for step in range(6, 8)]
+    assert results[0] is None and "sampling/sampling_logp_difference/max=2 > 0.5" in results[1]
+
+
 def test_rising_repetition_trips_with_value_threshold_and_steps():
     gate = HealthGate(HealthConfig(patience=3))
     reps = [0.05, 0.2, 0.65, 0.7, 0.82]

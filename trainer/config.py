@@ -557,7 +557,10 @@ class HealthConfig(Section):
     )
     kl_max: float = Field(1.0, description="kl: mean k3 KL to the reference, per token.")
     logprob_diff_max: float = Field(
-        0.5, description="sampling/sampling_logp_difference/max: engine vs trainer logprob of the same token."
+        0.5,
+        description="sampling/sampling_logp_difference/max: engine vs trainer logprob of the same token; read only "
+        "in steps trained on a batch the current weights sampled (with rollout.max_off_policy_steps the difference "
+        "holds the intended lag; the vLLM served-policy check guards those steps).",
     )
     # reward hacking (trainer/health.py: hacking_signals and HealthGate.observe)
     length_reward_corr_max: float = Field(

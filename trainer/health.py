@@ -457,7 +457,8 @@ class Alarm(NamedTuple):
     """A gate signal: the HealthConfig field holding its threshold and what it means beyond it; `below`: it trips
     below the threshold instead of above; `also`: (metric, field, below) of a second signal that must be beyond its
     own threshold in the same step (reward hacking is one signal rising *while* another does not); `patience`: the
-    HealthConfig field counting the consecutive evaluations it needs; `per`: what one evaluation is."""
+    HealthConfig field counting the consecutive evaluations it needs; `per`: what one evaluation is; `on_policy`: it
+    counts only in steps whose batch the current weights sampled (see `counts_in`)."""
 
     field: str
     meaning: str
@@ -465,6 +466,15 @@ class Alarm(NamedTuple):
     also: tuple[str, str, bool] | None = None
     patience: str = "patience"
     per: str = "step"
+    on_policy: bool = False
+
+
+def counts_in(alarm: Alarm, metrics: dict[str, float]) -> bool:
+    """Whether the alarm reads this step. An on-policy alarm skips a step trained on a batch sampled ahead
+    (rollout.max_off_policy_steps, sampling/staleness/max > 0): its engine-vs-trainer logprob difference is then
+    mostly the intended policy lag, which the rollout correction weighs; the served-policy check after every sync
+    is what catches a stale adapter there."""
+    return not (alarm.on_policy and (metrics.get("sampling/staleness/max") or 0) > 0)
 
 
 GATE_SIGNALS: dict[str, Alarm] = {
@@ -476,6 +486,7 @@ GATE_SIGNALS: dict[str, Alarm] = {
         "logprob_diff_max",
         "engine and trainer disagree on logprobs of the same tokens: a stale or double-applied adapter, "
         "or a mismatched sampling configuration",
+        on_policy=True,
     ),
     LENGTH_REWARD_CORR: Alarm(
         "length_reward_corr_max",
@@ -590,6 +601,8 @@ class HealthGate:
             return None
         tripped = []
         for name, alarm in GATE_SIGNALS.items():
+            if not counts_in(alarm, metrics):
+                continue
             checks = [(name, alarm.field, alarm.below)] + ([alarm.also] if alarm.also else [])
             values = [metrics.get(metric) for metric, _, _ in checks]
             if any(v is None or math.isnan(v) for v in values):
