@@ -24,7 +24,7 @@ def test_eval_mean_length_never_exceeds_max_tokens_even_for_invalid_bytes(tiny_m
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     examples = [Example(prompt=f"{a}+{a + 3}", answer=str(2 * a + 3)) for a in range(12)]
     cfg = EvalConfig(max_tokens=MAX_TOKENS, temperature=50.0, batch_size=12)
-    texts, lengths = generate(model, tok, [e.prompt for e in examples], MAX_TOKENS, cfg.temperature, cfg.batch_size)
+    texts, lengths, _ = generate(model, tok, [e.prompt for e in examples], MAX_TOKENS, cfg.temperature, cfg.batch_size)
     re_encoded = [len(tok.encode(t, add_special_tokens=False)) for t in texts]
     assert max(re_encoded) > MAX_TOKENS  # the case the old count got wrong is really there
     metrics = evaluate(model, tok, examples, cfg, RewardComputer([RewardConfig(name="exact_answer")]))

@@ -363,12 +363,12 @@ def test_gradient_accumulation_and_num_iterations(tiny_model, tmp_path):
 def test_eval_decodes_exactly_like_a_standalone_generate_call(tiny_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer.evaluate import generate_texts
+    from trainer.evaluate import generate
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     prompts = ["12+7", "40+33", "5+98"]
-    ours = generate_texts(model, tok, prompts, max_tokens=16)
+    ours = generate(model, tok, prompts, max_tokens=16)[0]
     by_hand = []
     for p in prompts:
         ids = tok.apply_chat_template(

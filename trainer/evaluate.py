@@ -1,9 +1,9 @@
 """Held-out evaluation, decoded exactly as a standalone user decodes.
 
-`generate_texts` is what a user writes by hand — chat template, left padding, `model.generate` —
+`generate` is what a user writes by hand — chat template, left padding, `model.generate` —
 and nothing else: no rollout engine, no logprob bookkeeping, no trainer-side patches. In-training
-eval (every `eval.every` steps), the pipeline's final eval and `ballast generate` all call it, and
-tests/test_trainer.py checks it against a hand-written `generate` call, so eval cannot quietly
+eval (every `eval.every` steps) and the pipeline's final eval both decode through it, and
+tests/test_trainer.py checks it against a hand-written `model.generate` call, so eval cannot quietly
 decode differently from what users will see. `evaluate_with_samples` also returns `eval.log_samples` of the
 completions as sample rows (trainer/samples.py), which the trainer and the eval stage write and log.
 """
@@ -17,19 +17,7 @@ from .data import Example, render_prompt
 from .samples import sample_rows
 
 
-def generate_texts(
-    model,
-    tokenizer,
-    prompts: list[str],
-    max_tokens: int,
-    temperature: float = 0.0,
-    batch_size: int = 32,
-    seed: int = 0,
-    data: DataConfig | None = None,
-) -> list[str]:
-    return generate(model, tokenizer, prompts, max_tokens, temperature, batch_size, seed, data)[0]
-
-
+@torch.no_grad()
 def generate(
     model,
     tokenizer,
@@ -39,28 +27,11 @@ def generate(
     batch_size: int = 32,
     seed: int = 0,
     data: DataConfig | None = None,
-) -> tuple[list[str], list[int]]:
-    """(texts, generated token counts): a count is the ids the model generated, up to and including its end-of-
-    sequence token — never the decoded text re-encoded (an invalid byte would count three), never above max_tokens."""
-    texts, lengths, _ = generate_with_endings(
-        model, tokenizer, prompts, max_tokens, temperature, batch_size, seed, data
-    )
-    return texts, lengths
-
-
-@torch.no_grad()
-def generate_with_endings(
-    model,
-    tokenizer,
-    prompts: list[str],
-    max_tokens: int,
-    temperature: float = 0.0,
-    batch_size: int = 32,
-    seed: int = 0,
-    data: DataConfig | None = None,
 ) -> tuple[list[str], list[int], list[str]]:
-    """`generate`'s texts and token counts, and each completion's finish reason: 'stop' (it generated an
-    end-of-sequence token) or 'length' (it ran to max_tokens)."""
+    """(texts, generated token counts, finish reasons). A count is the ids the model generated, up to and including
+    its end-of-sequence token — never the decoded text re-encoded (an invalid byte would count three), never above
+    max_tokens; a finish reason is 'stop' (it generated an end-of-sequence token) or 'length' (it ran to
+    max_tokens)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -116,7 +87,7 @@ def evaluate_with_samples(
     """(`evaluate`'s metrics, cfg.log_samples sample rows of its completions, marked with `step`)."""
     if not examples:
         return {}, []
-    texts, lengths, endings = generate_with_endings(
+    texts, lengths, endings = generate(
         model, tokenizer, [e.prompt for e in examples], cfg.max_tokens, cfg.temperature, cfg.batch_size, data=data
     )
     total, parts = rewards(texts, [e.answer for e in examples], [e.prompt for e in examples])
