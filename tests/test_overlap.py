@@ -17,6 +17,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from tests import test_offline
 from tests.conftest import REPO, tiny_spec
 from tests.test_trainer import assert_same_as_straight, cli, deterministic, read_jsonl, spec_file, trainer_for
 from trainer.checkpoint import list_checkpoints
@@ -138,29 +139,8 @@ def test_a_batch_beyond_the_limit_is_never_trained_on(tiny_model, tmp_path):
 # ------------------------------------------------------------------------------------------ offline: read ahead
 
 
-@pytest.fixture(scope="module")
-def trajectories(tiny_model, tmp_path_factory):
-    """Completions of 6 prompts sampled from the tiny model, with logprobs, as an outside service would write them."""
-    from trainer.config import LoraConfig, ModelConfig
-    from trainer.data import arith_examples, render_prompt
-    from trainer.engines.base import SamplingParams
-    from trainer.engines.hf import HFEngine
-    from trainer.model import load_policy
-
-    model, tokenizer = load_policy(ModelConfig(name_or_path=str(tiny_model), device="cpu"), LoraConfig(r=8, alpha=16))
-    examples = arith_examples(6, seed=7)
-    groups = HFEngine(model, tokenizer, "cpu").generate(
-        [render_prompt(tokenizer, e.prompt) for e in examples], SamplingParams(n=G, max_tokens=24, seed=1)
-    )
-    path = tmp_path_factory.mktemp("traj") / "trajectories.jsonl"
-    with open(path, "w") as f:
-        for e, group in zip(examples, groups):
-            completions = [
-                {"token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason, "logprobs": c.logprobs}
-                for c in group
-            ]
-            f.write(json.dumps({"prompt": e.prompt, "answer": e.answer, "completions": completions}) + "\n")
-    return path
+# completions of 6 prompts sampled from the tiny model, with logprobs, as an outside service would write them
+trajectories = test_offline.trajectories
 
 
 def offline_trainer(tiny_model, path: Path, out: Path, k: int, callbacks=()) -> GRPOTrainer:
