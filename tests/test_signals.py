@@ -23,6 +23,7 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
 from tests.conftest import REPO, tiny_spec
+from tests.test_trainer import deterministic
 from trainer.checkpoint import list_checkpoints
 from trainer.config import TrainerConfig
 from trainer.loop import GRPOTrainer
@@ -31,7 +32,6 @@ STEPS = 6
 SECTIONS = dict(optim={"steps": STEPS, "learning_rate": 3e-3}, checkpoint={"every": 3, "keep_last": 10})
 CLI = "import sys; from flows.cli import main; sys.exit(main())"  # as the `ballast` script calls it
 WAIT_S = 900  # the most any wait here lasts: a model load and a few steps on a loaded 2-core machine
-TIMING = ("time/", "step_time", "tokens_per_second")
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}  # the CLI's own embedded Prefect
 
 
@@ -59,10 +59,6 @@ def signal_after_first_step(proc: subprocess.Popen, metrics_glob: str, signum: i
 
 def last_line(err: str) -> str:
     return [line for line in err.splitlines() if line.strip()][-1]
-
-
-def deterministic(m: dict) -> dict:
-    return {k: v for k, v in m.items() if not k.startswith(TIMING)}
 
 
 # ── ballast train ──────────────────────────────────────────────────────────────────────────────────
