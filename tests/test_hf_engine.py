@@ -77,3 +77,28 @@ def test_the_trainer_passes_rollout_compile_decode_to_its_engine(tiny_model, tmp
 
     cfg = TrainerConfig.model_validate(tiny_spec(tiny_model, rollout={"compile_decode": "always"}))
     assert GRPOTrainer(cfg, tmp_path, progress=False).engine.decoder is not None
+
+
+def test_in_bf16_with_a_float32_adapter_the_compiled_engine_samples_what_the_trainer_scores(tiny_model):
+    """model.dtype bfloat16 keeps the adapter in float32 and runs the decoder under autocast (trainer/model.py):
+    the compiled step traces through it, and the engine's logprobs are the trainer's to bf16 precision."""
+    from trainer.logprobs import completion_logprobs
+
+    model, tokenizer = load_policy(
+        ModelConfig(name_or_path=str(tiny_model), device="cpu", dtype="bfloat16"), LoraConfig(r=4, alpha=8)
+    )
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.02)
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
+    torch._dynamo.reset()
+    prompt = render_prompt(tokenizer, arith_examples(1, seed=5)[0].prompt)
+    (group,) = HFEngine(model, tokenizer, "cpu", compile_decode="always").generate(
+        [prompt], SamplingParams(n=4, max_tokens=16, seed=5, min_tokens=16)
+    )
+    for completion in group:
+        ids = torch.tensor([prompt + completion.token_ids])
+        with torch.no_grad():
+            trainer_lp, _ = completion_logprobs(model, ids, torch.ones_like(ids), len(completion.token_ids))
+        torch.testing.assert_close(torch.tensor(completion.logprobs), trainer_lp[0], rtol=0, atol=0.05)

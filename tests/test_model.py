@@ -360,3 +360,57 @@ def test_a_full_fine_tune_saved_with_its_tokenizer_reloads_as_the_same_policy(ti
         "<pad>",
         "left",
     )
+
+
+# ── a float32 adapter over a bf16 base ─────────────────────────────────────────────────────────────
+
+
+def _training_forward(model, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """Bytes of the tensors the training forward keeps for its backward (parameters not counted, a storage
+    counted once), and the completion logprobs; runs the backward."""
+    from trainer.logprobs import completion_logprobs
+
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        if not isinstance(t, torch.nn.Parameter):
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logprobs, _ = completion_logprobs(model, ids, torch.ones_like(ids), ids.shape[1] - 8)
+    logprobs.sum().backward()
+    return sum(kept.values()), logprobs.detach()
+
+
+def test_a_float32_adapter_over_a_bf16_base_computes_in_bf16_and_keeps_no_float32_copies(tiny):
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    cfg = ModelConfig(name_or_path=str(tiny), device="cpu", dtype="bfloat16")
+    lora = LoraConfig(r=4, alpha=8, dropout=0.0)
+    ours, _ = load_policy(cfg, lora)
+    perturb_lora(ours, seed=2)
+    peft_default, _ = load_policy(cfg, lora)  # peft's own arithmetic: every adapted layer's input cast to fp32
+    del peft_default.get_decoder().forward
+    for module in peft_default.modules():
+        if hasattr(module, "cast_input_dtype_enabled"):
+            module.cast_input_dtype_enabled = True
+    bf16_adapter, _ = load_policy(cfg, lora)  # the floor: the adapter itself cast to bf16
+    for other in (peft_default, bf16_adapter):
+        set_peft_model_state_dict(other, get_peft_model_state_dict(ours))
+    for name, param in bf16_adapter.named_parameters():
+        if "lora_" in name:
+            param.data = param.data.to(torch.bfloat16)
+
+    ids = torch.randint(0, ours.config.vocab_size, (4, 40), generator=torch.Generator().manual_seed(0))
+    (kept, logprobs), (kept_peft, logprobs_peft), (kept_bf16, logprobs_bf16) = (
+        _training_forward(m, ids) for m in (ours, peft_default, bf16_adapter)
+    )
+    adapter = [p for name, p in ours.named_parameters() if "lora_" in name]
+    assert {p.dtype for p in adapter} == {p.grad.dtype for p in adapter} == {torch.float32}  # full-precision state
+    assert all(p.grad.abs().sum() > 0 for p in adapter)
+    assert kept == kept_bf16 < 0.85 * kept_peft  # no float32 copy of any layer input is kept
+    torch.testing.assert_close(logprobs, logprobs_bf16, rtol=0, atol=0)  # bf16 matmuls over the rounded weights
+    torch.testing.assert_close(logprobs, logprobs_peft, rtol=0, atol=0.1)  # and bf16 rounding away from peft's
+    fp32, _ = load_policy(model_cfg(tiny), lora)  # a float32 base is left as it is
+    assert "forward" not in vars(fp32.get_decoder())
