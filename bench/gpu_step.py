@@ -406,7 +406,13 @@ def main() -> None:
             "(see bench/README.md for the one the figures used)"
         )
     import peft
-    import trl
+
+    try:
+        import trl
+
+        trl_version = trl.__version__
+    except ImportError as e:  # the Ballast rows still run; the TRL row then fails with this reason
+        trl_version = f"not importable ({e})"
 
     gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU (smoke run)"
     with tempfile.TemporaryDirectory(prefix="ballast-gpu-model-") as tmp:
@@ -415,7 +421,7 @@ def main() -> None:
             model_path, Path(args.tokenizer), args.seed, SMOKE_SHAPE if args.smoke else MODEL_SHAPE, args.device
         )
         info["prompt_tokens"] = mean_prompt_tokens(model_path, Settings())
-        info["versions"] = f"transformers {transformers.__version__}, peft {peft.__version__}, trl {trl.__version__}"
+        info["versions"] = f"transformers {transformers.__version__}, peft {peft.__version__}, trl {trl_version}"
         parity, decode = {}, {}
         if "parity-tiny" in args.checks and args.tiny:
             parity["tiny-arith"] = run_child(f"parity:{Path(args.tiny).absolute()}", model_path, args)
