@@ -368,6 +368,13 @@ class GRPOConfig(Section):
         default_factory=RolloutCorrectionConfig,
         description="Importance weight for the engine-vs-trainer difference (pi_old is always the trainer's).",
     )
+    pack_sequences: bool = Field(
+        False,
+        description="Run the step's forward passes (reference, policy) over each row's real tokens packed end to end "
+        "instead of the padded batch (trainer/packing.py): the same logprobs and gradients, fewer positions "
+        "through the linear layers when prompt and completion lengths vary. Checked against the padded forward "
+        "when training starts.",
+    )
     logprob_chunk_size: int = Field(
         128,
         ge=1,

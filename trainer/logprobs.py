@@ -41,6 +41,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from .packing import pack
+
 # ---------------------------------------------------------------------------------------------------
 # shape checks
 
@@ -212,12 +214,15 @@ def completion_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 128,
     with_entropy: bool = False,
+    packed: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Logprobs (and entropy) of the completion tokens `input_ids[:, L - completion_len:]` under `model`.
 
     input_ids, attention_mask [B, L], left-padded prompts followed by the completions; `model` is a HF
     causal LM, plain or peft-wrapped. Returns (logprobs [B, completion_len] fp32, entropy or None).
-    Positions where the completion is padding get a logprob too (of the pad token): mask them in the loss."""
+    Positions where the completion is padding get a logprob too (of the pad token, or with `packed` of an
+    arbitrary position): mask them in the loss. `packed` runs the model over the rows' real tokens laid end to
+    end (trainer/packing.py) instead of the padded batch; the result is the same to rounding."""
     if input_ids.dim() != 2 or tuple(attention_mask.shape) != tuple(input_ids.shape):
         raise ValueError(
             f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
@@ -230,18 +235,31 @@ def completion_logprobs(
             f"of shape {tuple(input_ids.shape)}: the first completion token is predicted from the token "
             f"before it, so at least one prompt token must precede the completion"
         )
-    position_ids = _position_ids(attention_mask)
-    positions = _next_token_positions(length, completion_len)
     labels = input_ids[:, length - completion_len :]
+    if packed:
+        plan = pack(input_ids, attention_mask, completion_len)
+        inputs = dict(input_ids=plan.input_ids, attention_mask=None, position_ids=plan.position_ids, use_cache=False)
+
+        def predicting(outputs: Tensor) -> Tensor:  # [bins, width, ...] -> [B, completion_len, ...]
+            return outputs[plan.bin_of, plan.column_of]
+
+    else:
+        inputs = dict(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=_position_ids(attention_mask),
+            use_cache=False,
+        )
+        positions = _next_token_positions(length, completion_len)
+
+        def predicting(outputs: Tensor) -> Tensor:  # [B, L, ...] -> [B, completion_len, ...]
+            return outputs[:, positions]
 
     if _logits_are_lm_head_output(model):
-        decoder = model.get_decoder()
-        hidden = decoder(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state
+        hidden = model.get_decoder()(**inputs).last_hidden_state
         head = model.get_output_embeddings()
         return logprobs_from_hidden(
-            hidden[:, positions],
+            predicting(hidden),
             head.weight,
             labels,
             temperature=temperature,
@@ -251,9 +269,7 @@ def completion_logprobs(
         )
 
     # Fallback: the model's own logits (built in the model's dtype), reduced to fp32 chunk by chunk.
-    logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-    ).logits[:, positions]
+    logits = predicting(model(**inputs).logits)
     _check_rows_match_labels("logits", logits, labels, 2)
     _check_labels_in_vocab(labels, logits.shape[-1])
 

@@ -47,7 +47,7 @@ from transformers import set_seed
 
 from . import checkpoint as ckpt
 from .advantages import compute_advantages
-from .config import TrainerConfig
+from .config import InputError, TrainerConfig
 from .data import PromptSampler, data_fingerprint, load_datasets, render_prompt
 from .evaluate import evaluate_with_samples
 from .health import HealthGate, batch_health, hacking_signals
@@ -62,6 +62,7 @@ from .metrics import (
     update_metrics,
 )
 from .model import ensure_model, load_policy, logprob_fingerprint, model_identity, resolve_device
+from .packing import check_packing
 from .rewards import RewardComputer
 from .rollouts import RolloutProducer
 from .samples import EVAL_SAMPLES_FILE, SAMPLES_FILE, append_rows, sample_rows
@@ -127,6 +128,8 @@ class GRPOTrainer:
             cfg.model, cfg.lora, adapter_path=str(init_adapter) if init_adapter else None
         )
         self.model.train()
+        if cfg.grpo.pack_sequences:
+            _check_packing(self.model, self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         g = cfg.grpo
@@ -472,6 +475,7 @@ class GRPOTrainer:
             temperature=temperature,
             chunk_size=self.cfg.grpo.logprob_chunk_size,
             with_entropy=with_entropy,
+            packed=self.cfg.grpo.pack_sequences,
         )
         return lp, (ent if ent is not None else torch.zeros_like(lp))
 
@@ -569,6 +573,18 @@ def _pack(completions, pad_id: int) -> dict:
         "engine_logprobs": engine_logprobs,
         "completion_len": Tc,
     }
+
+
+def _check_packing(model, device: torch.device) -> None:
+    """grpo.pack_sequences is refused for a model whose attention lets packed sequences see each other."""
+    difference = check_packing(model, model.config.vocab_size, device)
+    tolerance = 1e-4 if model.get_input_embeddings().weight.dtype == torch.float32 else 5e-2
+    if not difference <= tolerance:
+        name = type(model.get_base_model() if hasattr(model, "get_base_model") else model).__name__
+        raise InputError(
+            f"grpo.pack_sequences: {name} does not keep packed sequences apart (packed and padded logprobs "
+            f"differ by {difference:.2g}, more than {tolerance:g}); set grpo.pack_sequences: false"
+        )
 
 
 def _micro_slices(n: int, parts: int) -> list[slice]:
