@@ -20,6 +20,12 @@ ratio of seconds per step, synchronous / this.
     python bench/overlap.py                                   # CPU, quickstart, k = 0 1 2
     python bench/overlap.py --steps 20 --ks 0 1 --model .ballast/test-cache/tiny-arith-XXXX
     python bench/overlap.py --set model.torch_threads=1       # the trainer on one core, the server on the rest
+    python bench/overlap.py --split-cores --ks 0 1            # trainer and server each pinned to half the cores
+
+--split-cores is the CPU picture of the split the design recommends on GPUs (trainer on GPU 0, vLLM on GPU 1):
+the server is started pinned to the second half of the cores (its OpenMP threads bound there with
+VLLM_CPU_OMP_THREADS_BIND), then this process, the trainer, pins itself to the first half with as many torch
+threads; without it both share every core, and overlapping them only interleaves their work.
 
 The vLLM environment is rollout.vllm_python / --vllm-python, else .ballast/vllm-venv (`ballast vllm-env`).
 Wall-clock on whatever else the machine is doing: a benchmark, not a test.
@@ -117,12 +123,26 @@ def main() -> None:
     parser.add_argument("--model", help="model.name_or_path (default: the spec's, built if missing)")
     parser.add_argument("--vllm-python", help="rollout.vllm_python")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more spec overrides")
+    parser.add_argument(
+        "--split-cores",
+        action="store_true",
+        help="the server on the second half of the cores, the trainer on the first",
+    )
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    cores = sorted(os.sched_getaffinity(0))
+    trainer_cores, server_cores = cores[: len(cores) // 2], cores[len(cores) // 2 :]
+    if args.split_cores:
+        if not trainer_cores:
+            raise SystemExit("--split-cores needs at least 2 cores")
+        args.set.append(f"model.torch_threads={len(trainer_cores)}")
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, server_cores))
 
     cfg = config(args, 0, "http://127.0.0.1:1")
     ensure_model(cfg.model)
     with tempfile.TemporaryDirectory(prefix="ballast-bench-overlap-") as tmp:
+        if args.split_cores:
+            os.sched_setaffinity(0, server_cores)  # the server's processes inherit this
         started = time.perf_counter()
         server = VLLMServer.start(
             resolve_vllm_python(args.vllm_python or cfg.rollout.vllm_python),
@@ -134,6 +154,8 @@ def main() -> None:
             extra_args=cfg.rollout.vllm_extra_args,
         )
         server_s = time.perf_counter() - started
+        if args.split_cores:
+            os.sched_setaffinity(0, trainer_cores)
         baseline: dict = {}
         try:
             results = {f"k={k}": run(args, k, server.url, Path(tmp), baseline) for k in args.ks}
@@ -145,7 +167,9 @@ def main() -> None:
         r["s / step, first / this"] = first["s / step (steps 2..N)"] / r["s / step (steps 2..N)"]
     print(
         f"\nOverlapped vs synchronous rollouts, vLLM engine: {Path(args.spec).name}, {args.steps} steps each, "
-        f"{os.cpu_count()} CPU cores, one server for all (started in {server_s:.1f} s); "
+        f"{os.cpu_count()} CPU cores"
+        f"{f' (trainer on {trainer_cores}, server on {server_cores})' if args.split_cores else ' shared'}, "
+        f"one server for all (started in {server_s:.1f} s); "
         f"overrides: {' '.join(args.set) or 'none'}"
     )
     print(
