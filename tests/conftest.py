@@ -37,6 +37,17 @@ def tiny_model() -> Path:
     return tiny_model_path()
 
 
+def perturb_lora(model, seed: int, scale: float = 0.05) -> None:
+    """Give every lora_B weight random values (peft starts them at zero), as after some training."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * scale)
+
+
 def tiny_spec(model_path, **sections) -> dict:
     """A small, fast experiment spec on the tiny model; sections override/extend the defaults."""
     spec = {

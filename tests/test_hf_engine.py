@@ -7,6 +7,7 @@ bench/gpu_step.py checks on a GPU. Each compile takes ~40 s on 2 cores, so the m
 import pytest
 import torch
 
+from tests.conftest import perturb_lora
 from trainer.config import LoraConfig, ModelConfig, TrainerConfig
 from trainer.data import arith_examples, render_prompt
 from trainer.engines.base import SamplingParams
@@ -18,10 +19,7 @@ from trainer.model import load_policy
 def policy(tiny_model):
     """The tiny model with a LoRA adapter whose weights differ from zero, as after some training."""
     model, tokenizer = load_policy(ModelConfig(name_or_path=str(tiny_model), device="cpu"), LoraConfig(r=4, alpha=8))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.02)
+    perturb_lora(model, seed=1, scale=0.02)
     return model, tokenizer
 
 
@@ -87,10 +85,7 @@ def test_in_bf16_with_a_float32_adapter_the_compiled_engine_samples_what_the_tra
     model, tokenizer = load_policy(
         ModelConfig(name_or_path=str(tiny_model), device="cpu", dtype="bfloat16"), LoraConfig(r=4, alpha=8)
     )
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.02)
+    perturb_lora(model, seed=1, scale=0.02)
     assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
     torch._dynamo.reset()
     prompt = render_prompt(tokenizer, arith_examples(1, seed=5)[0].prompt)

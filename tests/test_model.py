@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.conftest import perturb_lora
 from trainer.config import LoraConfig, ModelConfig
 from trainer.data import render_prompt
 from trainer.model import (
@@ -35,14 +36,6 @@ def tiny(tmp_path_factory):
 
 def model_cfg(path) -> ModelConfig:
     return ModelConfig(name_or_path=str(path), device="cpu")
-
-
-def perturb_lora(model, seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
 
 
 def logits(model, tokenizer) -> torch.Tensor:

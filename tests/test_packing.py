@@ -5,6 +5,7 @@ sequences is caught by the start-up check."""
 import pytest
 import torch
 
+from tests.conftest import perturb_lora, tiny_spec
 from trainer.config import LoraConfig, ModelConfig
 from trainer.logprobs import completion_logprobs
 from trainer.model import load_policy
@@ -27,10 +28,7 @@ def ragged_batch(vocab: int, prompt_lens, completion_lens, seed: int = 0):
 @pytest.fixture(scope="module")
 def policy(tiny_model):
     model, _ = load_policy(ModelConfig(name_or_path=str(tiny_model), device="cpu"), LoraConfig(r=4, alpha=8))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(3)) * 0.05)
+    perturb_lora(model, seed=3)
     return model
 
 
@@ -98,7 +96,6 @@ def test_a_packed_run_trains_as_the_padded_one(tiny_model, tmp_path):
     same losses, KL and gradient norms to rounding, and the same adapter after."""
     from safetensors.torch import load_file
 
-    from tests.conftest import tiny_spec
     from trainer.config import TrainerConfig
     from trainer.loop import GRPOTrainer
 
@@ -131,7 +128,6 @@ def test_a_packed_run_trains_as_the_padded_one(tiny_model, tmp_path):
 def test_pack_sequences_is_refused_for_a_model_that_attends_across_sequences(tiny_model, tmp_path):
     import transformers.masking_utils as masking_utils
 
-    from tests.conftest import tiny_spec
     from trainer.config import InputError, TrainerConfig
     from trainer.loop import GRPOTrainer
 
