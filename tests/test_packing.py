@@ -13,7 +13,7 @@ from trainer.packing import check_packing, first_fit_decreasing, pack
 
 
 def ragged_batch(vocab: int, prompt_lens, completion_lens, seed: int = 0):
-    """Left-padded prompts + right-padded completions, as the trainer builds them (trainer/loop.py:_pack)."""
+    """Left-padded prompts + right-padded completions, as the trainer builds them (trainer/loop.py:_padded_batch)."""
     g = torch.Generator().manual_seed(seed)
     Lp, Tc = max(prompt_lens), max(completion_lens)
     ids = torch.zeros(len(prompt_lens), Lp + Tc, dtype=torch.long)
@@ -78,6 +78,14 @@ def test_packed_logprobs_entropies_and_gradients_equal_the_padded_ones(policy, w
 
 def test_the_start_up_check_passes_a_model_that_respects_packing_and_catches_one_that_does_not(policy):
     assert check_packing(policy, policy.config.vocab_size, torch.device("cpu")) < 1e-5
+    with_dropout, _ = load_policy(
+        ModelConfig(name_or_path=str(policy.get_base_model().name_or_path), device="cpu"),
+        LoraConfig(r=4, alpha=8, dropout=0.5),
+    )
+    perturb_lora(with_dropout, seed=4)
+    assert with_dropout.training
+    assert check_packing(with_dropout, with_dropout.config.vocab_size, torch.device("cpu")) < 1e-5  # dropout off
+    assert with_dropout.training  # and back on
     leaky, _ = load_policy(
         ModelConfig(name_or_path=str(policy.get_base_model().name_or_path), device="cpu"), LoraConfig(enabled=False)
     )

@@ -246,7 +246,7 @@ class GRPOTrainer:
         )
 
         # 5. batch tensors: left-padded prompt, right-padded completion; the whole batch's loss normalisers
-        batch = _pack(completions, self.tokenizer.pad_token_id)
+        batch = _padded_batch(completions, self.tokenizer.pad_token_id)
         token_mask = batch["completion_mask"].to(self.device)  # every completion token
         loss_mask = token_mask * adv.loss_mask_seq.float().to(self.device).unsqueeze(1)  # those in the loss
         engine_lp = batch["engine_logprobs"].to(self.device)
@@ -549,7 +549,7 @@ class SafePoint:
 # ------------------------------------------------------------------------ plain helpers
 
 
-def _pack(completions, pad_id: int) -> dict:
+def _padded_batch(completions, pad_id: int) -> dict:
     Lp = max(len(c.prompt_ids) for c in completions)
     Tc = max(1, max(len(c.token_ids) for c in completions))
     B = len(completions)
