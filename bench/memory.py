@@ -334,7 +334,7 @@ def main() -> None:
     print(
         f"GRPO step memory on {Path(spec.model.name_or_path).name}: {g.prompts_per_step} prompts x "
         f"{g.num_generations} completions of {r.max_tokens} tokens (forced), beta {g.beta}, LoRA r {spec.lora.r} "
-        f"{spec.lora.target_modules}, dtype {spec.model.dtype}, logprob chunk {g.logprob_chunk_size} rows; "
+        f"{spec.lora.target_modules}, dtype {spec.model.dtype}, logprob chunk {g.chunk_rows('cpu')} rows; "
         f"{args.threads} torch thread(s); spec {args.spec} {' '.join(args.set)}"
     )
     started = time.perf_counter()

@@ -69,3 +69,11 @@ def test_mode_off_written_bare_in_yaml_or_set_on_the_command_line_means_off(tmp_
     assert load_spec(path, ["grpo.rollout_correction.mode=off"]).grpo.rollout_correction.mode == "off"
     with pytest.raises(SpecError, match="field 'grpo.rollout_correction.mode'"):
         load_spec(path, ["grpo.rollout_correction.mode=on"])  # YAML's true: no mode is called that
+
+
+def test_logprob_chunk_rows_default_to_128_on_cpu_and_1024_on_a_gpu_and_a_set_value_wins():
+    default = validate_spec(spec()).grpo
+    assert (default.chunk_rows("cpu"), default.chunk_rows("cuda")) == (128, 1024)
+    assert validate_spec(spec(logprob_chunk_size=256)).grpo.chunk_rows("cuda") == 256
+    with pytest.raises(SpecError, match="logprob_chunk_size"):
+        validate_spec(spec(logprob_chunk_size=0))

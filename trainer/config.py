@@ -375,12 +375,18 @@ class GRPOConfig(Section):
         "through the linear layers when prompt and completion lengths vary. Checked against the padded forward "
         "when training starts.",
     )
-    logprob_chunk_size: int = Field(
-        128,
+    logprob_chunk_size: int | None = Field(
+        None,
         ge=1,
         description="Rows (tokens) per chunk of the lm_head + selective log-softmax: fp32 logits exist for "
-        "this many tokens at a time (trainer/logprobs.py).",
+        "this many tokens at a time (trainer/logprobs.py). Default: 128 on CPU, where memory is short, 1024 on a "
+        "GPU, where 128-row chunks leave it waiting on kernel launches (a 0.5B model's update took 0.55 s "
+        "against 0.32).",
     )
+
+    def chunk_rows(self, device_type: str) -> int:
+        """logprob_chunk_size, or its default for the device."""
+        return self.logprob_chunk_size or (128 if device_type == "cpu" else 1024)
 
     @property
     def eps_high(self) -> float:

@@ -473,7 +473,7 @@ class GRPOTrainer:
             attn,
             completion_len,
             temperature=temperature,
-            chunk_size=self.cfg.grpo.logprob_chunk_size,
+            chunk_size=self.cfg.grpo.chunk_rows(self.device.type),
             with_entropy=with_entropy,
             packed=self.cfg.grpo.pack_sequences,
         )
