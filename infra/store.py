@@ -213,6 +213,20 @@ def _staging_path(target: Path) -> Path:
     return target.parent / f".{target.name}{TMP_MARK}{uuid.uuid4().hex[:8]}"
 
 
+@contextlib.contextmanager
+def _staged_file(target: Path):
+    """A staging path to write `target`'s new content to: renamed onto `target` when the block ends, removed if
+    the block fails, so a reader sees the old file or the whole new one, never a part."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = _staging_path(target)
+    try:
+        yield staging
+        os.replace(staging, target)
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
+
+
 def _install(staged: Path, target: Path) -> None:
     """Rename `staged` into `target`, replacing an existing `target` (moved aside, then removed)."""
     if not (target.exists() or target.is_symlink()):
@@ -329,14 +343,8 @@ class ArtifactStore(ABC):
     def get_file(self, src: str, local: Path) -> Path:
         """Download one file to `local`, written to a temporary name and renamed into place."""
         local = Path(local)
-        local.parent.mkdir(parents=True, exist_ok=True)
-        staging = _staging_path(local)
-        try:
+        with _staged_file(local) as staging:
             self._get_file_to(src, staging)
-            os.replace(staging, local)
-        except BaseException:
-            staging.unlink(missing_ok=True)
-            raise
         return local
 
     def __repr__(self) -> str:
@@ -409,14 +417,8 @@ class LocalStore(ArtifactStore):
 
     def put_file(self, local: Path, dest: str) -> str:
         target = self._path(dest)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = _staging_path(target)
-        try:
+        with _staged_file(target) as staging:
             shutil.copyfile(local, staging)
-            os.replace(staging, target)
-        except BaseException:
-            staging.unlink(missing_ok=True)
-            raise
         return str(target)
 
     def _get_file_to(self, src: str, local: Path) -> None:
@@ -433,10 +435,8 @@ class LocalStore(ArtifactStore):
 
     def write_text(self, path: str, text: str) -> str:
         target = self._path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = _staging_path(target)
-        staging.write_text(text, encoding="utf-8")
-        os.replace(staging, target)
+        with _staged_file(target) as staging:
+            staging.write_text(text, encoding="utf-8")
         return str(target)
 
     def check(self) -> None:
