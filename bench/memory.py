@@ -180,6 +180,9 @@ def run_trl(spec, steps: int, workdir: Path) -> dict:
         def on_step_end(self, args, state, control, **kwargs):
             times.append((time.perf_counter() - self.wall, cpu_s() - self.cpu, sum(lengths) / max(len(lengths), 1)))
 
+    sys.path.insert(0, str(REPO / "bench"))
+    from trl_step_time import TRL_QUIET, check_one_generation_per_step
+
     args = GRPOConfig(
         output_dir=str(workdir / "trl"),
         max_steps=steps,
@@ -204,16 +207,9 @@ def run_trl(spec, steps: int, workdir: Path) -> dict:
         fp16=False,
         gradient_checkpointing=spec.model.gradient_checkpointing,
         use_cpu=not torch.cuda.is_available(),
-        logging_strategy="no",
-        save_strategy="no",
-        eval_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        log_completions=False,
-        dataloader_num_workers=0,
+        **TRL_QUIET,
     )
-    if args.steps_per_generation != 1 or args.generation_batch_size != completions:
-        raise RuntimeError(f"TRL would not generate {completions} completions once per optimizer step")
+    check_one_generation_per_step(args, completions)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=getattr(torch, resolve_dtype(spec.model)), attn_implementation=spec.model.attn_implementation
     )

@@ -223,6 +223,27 @@ def trl_dataset(s: Settings):
     return Dataset.from_list(rows)
 
 
+TRL_QUIET = dict(  # no logging, saving, eval, progress bars or loader workers: a timed step is the step alone
+    logging_strategy="no",
+    save_strategy="no",
+    eval_strategy="no",
+    report_to="none",
+    disable_tqdm=True,
+    log_completions=False,
+    dataloader_num_workers=0,
+)
+
+
+def check_one_generation_per_step(args, completions: int) -> None:
+    """TRL's GRPOConfig must sample `completions` completions once per optimizer step, as Ballast's step does."""
+    if args.steps_per_generation != 1 or args.generation_batch_size != completions:
+        raise RuntimeError(
+            f"TRL would not do one generation of {completions} completions per optimizer step "
+            f"(steps_per_generation={args.steps_per_generation}, "
+            f"generation_batch_size={args.generation_batch_size}); check GRPOConfig's batch semantics"
+        )
+
+
 class TRLRunner:
     """TRL's GRPOTrainer plus the instruments: a step timer (callback), the completion lengths (seen by the
     reward function) and wall time of TRL's own stages (wrappers on the trainer instance's methods)."""
@@ -313,20 +334,9 @@ class TRLRunner:
             fp16=False,
             gradient_checkpointing=False,
             use_cpu=device.type == "cpu",
-            logging_strategy="no",
-            save_strategy="no",
-            eval_strategy="no",
-            report_to="none",
-            disable_tqdm=True,
-            log_completions=False,
-            dataloader_num_workers=0,
+            **TRL_QUIET,
         )
-        if args.steps_per_generation != 1 or args.generation_batch_size != s.completions_per_step:
-            raise RuntimeError(
-                f"TRL would not do one generation of {s.completions_per_step} completions per optimizer step "
-                f"(steps_per_generation={args.steps_per_generation}, "
-                f"generation_batch_size={args.generation_batch_size}); check GRPOConfig's batch semantics"
-            )
+        check_one_generation_per_step(args, s.completions_per_step)
         model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=getattr(torch, s.dtype))
         self.trainer = GRPOTrainer(
             model=model,
