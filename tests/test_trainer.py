@@ -17,7 +17,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, tiny_spec
+from tests.conftest import REPO, perturb_lora, tiny_spec
 from trainer.checkpoint import CheckpointError, list_checkpoints
 from trainer.config import TrainerConfig
 from trainer.engines.hf import HFEngine
@@ -505,7 +505,7 @@ def test_hf_engine_samples_exactly_what_generate_samples(tiny_model, settings):
     params = SamplingParams(n=4, max_tokens=40, seed=3, **settings)
     ours = [c for group in engine.generate(prompts, params) for c in group]
 
-    def with_generate(model, input_ids, attention_mask, params, eos_ids, pad_id):
+    def with_generate(model, input_ids, attention_mask, params, eos_ids, pad_id, generators=None):
         return hf._sample_with_generate(model, tokenizer, input_ids, attention_mask, params, eos_ids)
 
     original, hf.sample = hf.sample, with_generate
@@ -529,3 +529,58 @@ def test_without_a_reference_no_kl_is_reported_and_the_progress_bar_shows_none(t
     t.close()
     assert not {"kl", "kl/k1", "kl/k2", "kl/k3"} & set(m)
     assert "kl" not in read_jsonl(tmp_path / "metrics.jsonl")[0]
+
+
+@pytest.mark.parametrize("stop", [[], ["\n\n"]])
+def test_seeded_per_prompt_a_prompt_samples_the_same_completions_whatever_shares_its_batch(tiny_model, stop):
+    """SamplingParams.seeds: each prompt draws from a generator of its own, so the prompt at global position i samples
+    the same tokens alone, in a rank's shard, or beside another trial's prompts — the static-cache loop and the
+    stop-string path (model.generate, one prompt at a time) alike."""
+    from trainer.config import LoraConfig, ModelConfig
+    from trainer.data import arith_examples, render_prompt
+    from trainer.engines.base import SamplingParams
+    from trainer.model import load_policy
+    from trainer.rollouts import prompt_seeds
+
+    model, tokenizer = load_policy(ModelConfig(name_or_path=str(tiny_model), device="cpu"), LoraConfig(r=4, alpha=8))
+    perturb_lora(model, seed=1, scale=0.02)
+    engine = HFEngine(model, tokenizer, "cpu")
+    prompts = [render_prompt(tokenizer, e.prompt) for e in arith_examples(4, seed=0)]
+    seeds = prompt_seeds(0, 7, range(4))
+    assert len(set(seeds)) == 4 and seeds == prompt_seeds(0, 7, range(4))
+
+    def run(rows, row_seeds):
+        params = SamplingParams(n=3, max_tokens=24, seed=99, seeds=row_seeds, stop=stop)
+        return [c for group in engine.generate(rows, params) for c in group]
+
+    together = run(prompts, seeds)
+    halves = run(prompts[:2], seeds[:2]) + run(prompts[2:], seeds[2:])
+    alone = run(prompts[3:], seeds[3:])
+    assert [c.token_ids for c in halves] == [c.token_ids for c in together]
+    assert [c.token_ids for c in alone] == [c.token_ids for c in together[9:]]
+    for a, b in zip(halves, together):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    assert len({tuple(c.token_ids) for c in together}) > 3  # really sampled: the rows differ
+
+
+def test_per_prompt_seeds_draw_the_same_tokens_in_the_static_cache_loop_and_in_generate(tiny_model):
+    """The two sampling paths of the hf engine use a prompt's generator alike: seeded per prompt, the stop-string path
+    (model.generate) draws what the static-cache loop draws."""
+    from trainer.config import LoraConfig, ModelConfig
+    from trainer.data import arith_examples, render_prompt
+    from trainer.engines import hf
+    from trainer.engines.base import SamplingParams
+    from trainer.model import load_policy
+
+    model, tokenizer = load_policy(ModelConfig(name_or_path=str(tiny_model), device="cpu"), LoraConfig(r=4, alpha=8))
+    perturb_lora(model, seed=2, scale=0.02)
+    prompts = [render_prompt(tokenizer, e.prompt) for e in arith_examples(3, seed=1)]
+    params = SamplingParams(n=4, max_tokens=30, seed=0, seeds=[11, 12, 13])
+    engine = HFEngine(model, tokenizer, "cpu")
+    loop = [c for group in engine.generate(prompts, params) for c in group]
+    engine.static_cache = False  # what a model without static-cache support, or a stop string, goes through
+    with_generate = [c for group in engine.generate(prompts, params) for c in group]
+    assert [c.token_ids for c in loop] == [c.token_ids for c in with_generate]
+    for a, b in zip(loop, with_generate):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    assert hf._generators(None, torch.device("cpu")) is None

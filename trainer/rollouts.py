@@ -5,7 +5,8 @@
 - A fixed schedule, not "the freshest weights": the batch of step s is sampled by policy version
   max(0, s-1-k), version v being the policy after v finished steps (synchronous training: s-1). Which weights
   sampled a batch is a function of its step alone, so with the per-step seed (rollout.seed, s) an
-  uninterrupted and a resumed run sample the same tokens. Every completion records its version;
+  uninterrupted and a resumed run sample the same tokens; each prompt is seeded by its position in the batch too
+  (`prompt_seeds`), so it samples the same tokens whatever else shares its batch. Every completion records its version;
   `sampling/staleness/{mean,max}` say how many versions behind the trained weights it is, and a batch more
   than k behind is never trained on (StaleRolloutError).
 - Overlap where the engine allows it: an engine with `overlaps_training` (vLLM: another process; offline: it
@@ -25,6 +26,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import queue
 import threading
 import time
@@ -44,6 +46,14 @@ class StaleRolloutError(RuntimeError):
 def rollout_seed(seed: int, step: int) -> int:
     """The sampling seed of step `step`'s batch: a function of (rollout.seed, step) alone."""
     return seed * 1_000_003 + step
+
+
+def prompt_seeds(seed: int, step: int, positions: range | list[int]) -> list[int]:
+    """The sampling seed of each prompt of step `step`'s batch, by its position in the whole (global) batch: a
+    function of (rollout.seed, step, position) alone, so the prompt at position i samples the same completions
+    whether the batch is sampled in one process or sharded across ranks."""
+    base = rollout_seed(seed, step)
+    return [int.from_bytes(hashlib.sha256(f"{base}/{i}".encode()).digest()[:8], "little") >> 1 for i in positions]
 
 
 def sampling_version(step: int, max_off_policy_steps: int) -> int:
@@ -118,7 +128,8 @@ class RolloutProducer:
         indices = self.sampler.next_batch(self.prompts_per_step)
         prompts = [self.prompt_ids(i) for i in indices]
         seed = rollout_seed(self.rollout.seed, step)
-        params = SamplingParams.from_rollout(self.rollout, n=self.group_size, seed=seed)
+        seeds = prompt_seeds(self.rollout.seed, step, range(len(indices)))
+        params = SamplingParams.from_rollout(self.rollout, n=self.group_size, seed=seed, seeds=seeds)
 
         def generate() -> RolloutBatch:
             started = time.perf_counter()

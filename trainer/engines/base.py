@@ -38,9 +38,13 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     seed: int = 0
     min_tokens: int = 0
+    # One seed per prompt: prompt i's n completions are drawn from a generator of their own seeded seeds[i], so what a
+    # prompt gets does not depend on the other prompts of the batch (a rank's shard of the global batch, another
+    # trial's rows). None: one stream for the whole batch, seeded `seed` (what model.generate draws with that seed).
+    seeds: list[int] | None = None
 
     @classmethod
-    def from_rollout(cls, rollout, n: int, seed: int) -> SamplingParams:
+    def from_rollout(cls, rollout, n: int, seed: int, seeds: list[int] | None = None) -> SamplingParams:
         return cls(
             n=n,
             max_tokens=rollout.max_tokens,
@@ -54,6 +58,7 @@ class SamplingParams:
             stop=list(rollout.stop),
             seed=seed,
             min_tokens=rollout.min_tokens,
+            seeds=seeds,
         )
 
 

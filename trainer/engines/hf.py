@@ -10,7 +10,10 @@ the loop keeps only the sampled token's logprob. It writes a static KV cache in 
 the one-token step compiled into CUDA graphs (`CompiledDecoder`, rollout.compile_decode). Sampling follows
 `generate`'s processors exactly — the same transformers classes in its order: repetition penalty,
 min_tokens, temperature, top-k, top-p, min-p — then `torch.multinomial`, so the same seed draws the same
-tokens. Stop strings need the text decoded as it grows: a request with `stop` goes through `generate`.
+tokens. With per-prompt seeds (`SamplingParams.seeds`, what the trainer passes) each prompt's rows draw from a
+generator of their own, so a prompt samples the same tokens whichever prompts share its batch: a rank's shard of
+the global batch, or another trial's rows. Stop strings need the text decoded as it grows: a request with `stop`
+goes through `generate` (one prompt at a time when seeded per prompt).
 
 Logprobs are the policy's at the sampling temperature, log_softmax(logits / T), from the raw logits before
 penalties and truncation (engines/base.py says why). Completions keep their end-of-sequence token (the
@@ -70,16 +73,23 @@ class HFEngine:
         devices = [self.device] if self.device.type == "cuda" else []
         try:
             with torch.random.fork_rng(devices=devices):
-                torch.manual_seed(params.seed)
                 if params.stop or not self.static_cache:
                     new_tokens, logprobs = _sample_with_generate(
                         self.model, tok, input_ids, attention_mask, params, eos_ids
                     )
                 else:
                     try:
+                        torch.manual_seed(params.seed)
                         extra = {"decoder": self.decoder} if self.decoder is not None else {}
                         new_tokens, logprobs = sample(
-                            self.model, input_ids, attention_mask, params, eos_ids, pad_id, **extra
+                            self.model,
+                            input_ids,
+                            attention_mask,
+                            params,
+                            eos_ids,
+                            pad_id,
+                            generators=_generators(params.seeds, self.device),
+                            **extra,
                         )
                     except TypeError as e:  # a custom (trust_remote_code) model without cache_position / logits_to_keep
                         warnings.warn(
@@ -88,7 +98,6 @@ class HFEngine:
                             stacklevel=2,
                         )
                         self.static_cache = False
-                        torch.manual_seed(params.seed)
                         new_tokens, logprobs = _sample_with_generate(
                             self.model, tok, input_ids, attention_mask, params, eos_ids
                         )
@@ -191,11 +200,13 @@ def sample(
     eos_ids: list[int],
     pad_id: int,
     decoder: CompiledDecoder | None = None,
+    generators: list[torch.Generator] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(new tokens [R, <=N], their logprobs under log_softmax(logits / T) [R, <=N]) for left-padded prompts, with a
     static KV cache. Rows that have ended get pad tokens; the loop stops when every row has ended (checked every
     token, or every STOP_CHECK_EVERY tokens with a compiled decoder). With `decoder`, the one-token steps run
-    compiled over a cache that outlives the call."""
+    compiled over a cache that outlives the call. With `generators` (one per prompt, its params.n rows in a row)
+    each prompt's rows draw from their own; else from the global RNG."""
     from transformers import StaticCache
 
     rows, width = input_ids.shape
@@ -235,7 +246,7 @@ def sample(
         if t < params.min_tokens:
             scores = scores.index_fill(-1, eos, float("-inf"))
         scores = after(sequence, scores) if after else scores
-        chosen = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        chosen = _draw(torch.softmax(scores, dim=-1), generators, params.n)
         chosen = torch.where(running, chosen, torch.full_like(chosen, pad_id))
         tokens.append(chosen)
         logprobs.append(policy.gather(-1, chosen[:, None]).squeeze(1))
@@ -259,8 +270,47 @@ def sample(
     return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
 
 
+def _generators(seeds: list[int] | None, device: torch.device) -> list[torch.Generator] | None:
+    """One generator per prompt, seeded from SamplingParams.seeds (None: sample from the global RNG)."""
+    if seeds is None:
+        return None
+    return [torch.Generator(device=device).manual_seed(int(seed)) for seed in seeds]
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator] | None, per_prompt: int) -> torch.Tensor:
+    """One token per row from `probs` [R, V]: rows i*per_prompt ... (i+1)*per_prompt-1 from generators[i]."""
+    if generators is None:
+        return torch.multinomial(probs, num_samples=1).squeeze(1)
+    if len(generators) * per_prompt != probs.shape[0]:
+        prompts = probs.shape[0] // per_prompt
+        raise ValueError(f"{len(generators)} seeds for {prompts} prompts; give one seed per prompt")
+    rows = [
+        torch.multinomial(probs[i * per_prompt : (i + 1) * per_prompt], num_samples=1, generator=g)
+        for i, g in enumerate(generators)
+    ]
+    return torch.cat(rows).squeeze(1)
+
+
 def _sample_with_generate(model, tok, input_ids, attention_mask, params: SamplingParams, eos_ids: list[int]):
-    """model.generate with output_logits: for stop strings, which need the text decoded as it grows."""
+    """model.generate with output_logits: for stop strings, which need the text decoded as it grows. Seeded per
+    prompt (params.seeds), each prompt's rows are generated alone, from its own seed, and padded to one width."""
+    if params.seeds is None:
+        torch.manual_seed(params.seed)
+        return _generate_rows(model, tok, input_ids, attention_mask, params, eos_ids)
+    n, parts = params.n, []
+    for i, seed in enumerate(params.seeds):
+        torch.manual_seed(int(seed))
+        rows = slice(i * n, (i + 1) * n)
+        parts.append(_generate_rows(model, tok, input_ids[rows], attention_mask[rows], params, eos_ids))
+    width = max(tokens.shape[1] for tokens, _ in parts)
+    pad = tok.pad_token_id
+    tokens = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=pad) for t, _ in parts])
+    logprobs = torch.cat([torch.nn.functional.pad(lp, (0, width - lp.shape[1])) for _, lp in parts])
+    return tokens, logprobs
+
+
+def _generate_rows(model, tok, input_ids, attention_mask, params: SamplingParams, eos_ids: list[int]):
+    """(new tokens, their logprobs) of model.generate on these rows, from the global RNG."""
     kwargs = dict(
         do_sample=True,
         temperature=params.temperature,
