@@ -32,7 +32,12 @@ STEPS = 6
 SECTIONS = dict(optim={"steps": STEPS, "learning_rate": 3e-3}, checkpoint={"every": 3, "keep_last": 10})
 CLI = "import sys; from flows.cli import main; sys.exit(main())"  # as the `ballast` script calls it
 WAIT_S = 900  # the most any wait here lasts: a model load and a few steps on a loaded 2-core machine
-ENV = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}  # the CLI's own embedded Prefect
+SIGNALLED_STEP = 2  # the subprocess holds step 2 until the signal has arrived (BALLAST_FAULT=hold-in-step): the signal,
+# sent once step 1 is written, lands in step 2 however fast or slow the machine is
+ENV = {
+    **{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")},  # the CLI's own embedded Prefect
+    "BALLAST_FAULT": f"hold-in-step:{SIGNALLED_STEP}",
+}
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -92,7 +97,7 @@ def test_sigterm_to_ballast_train_saves_a_checkpoint_after_the_step_and_exits_14
     done = [m["step"] for m in read_jsonl(run / "metrics.jsonl")]
     step = done[-1]
     assert code == 143
-    assert done == list(range(1, step + 1)) and step < STEPS
+    assert done == list(range(1, SIGNALLED_STEP + 1))
     assert list_checkpoints(run / "checkpoints")[-1][0] == step
     assert last_line(err) == (
         f"run {run} stopped by SIGTERM after step {step}, checkpoint saved "
@@ -143,6 +148,7 @@ def signalled_run(request, tiny_model, tmp_path_factory):
 def test_signalled_ballast_run_exits_128_plus_signal_with_one_line_naming_the_run_and_its_resume(signalled_run):
     signum, code, err, project, run_id = signalled_run
     step = read_jsonl(project / "runs" / run_id / "metrics.jsonl")[-1]["step"]
+    assert step == SIGNALLED_STEP
     name = signal.Signals(signum).name
     assert code == 128 + signum
     assert re.fullmatch(

@@ -17,6 +17,8 @@ through it. No pickles beyond `torch.load(weights_only=True)`.
 
 `BALLAST_FAULT=kill-in-checkpoint:<step>` SIGKILLs the process half-way through writing that step's
 checkpoint, `kill-in-step:<step>` half-way through that step: the hooks the resume tests use.
+`hold-in-step:<step>` holds that step until a stop signal has arrived (`SIGNALLED`, set by the trainer's
+SafePoint): the signal tests' way to land a signal inside a known step whatever the machine's speed.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,10 +97,23 @@ def code_ref() -> dict:
     return {"commit": commit or "unknown", "dirty": dirty}
 
 
+SIGNALLED = threading.Event()  # a stop signal (SIGTERM, SIGINT) reached the training loop's SafePoint
+HOLD_TIMEOUT_S = 900.0  # a held step that no signal reaches fails instead of hanging a test run
+
+
 def fault_point(name: str, step: int) -> None:
-    """SIGKILL this process here when BALLAST_FAULT names this point (resume tests)."""
-    if os.environ.get("BALLAST_FAULT") == f"{name}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
+    """When BALLAST_FAULT names this point: SIGKILL this process here (a 'kill-' point, the resume tests), or wait
+    here until a stop signal has arrived (a 'hold-' point, the signal tests)."""
+    if os.environ.get("BALLAST_FAULT") != f"{name}:{step}":
+        return
+    if name.startswith("hold-"):
+        deadline = time.monotonic() + HOLD_TIMEOUT_S
+        while not SIGNALLED.is_set():  # a sleep, not Event.wait: the signal handler runs between the sleeps
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"BALLAST_FAULT={name}:{step}: no stop signal came within {HOLD_TIMEOUT_S:.0f} s")
+            time.sleep(0.02)
+        return
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ── reading ────────────────────────────────────────────────────────────────────────────────────────

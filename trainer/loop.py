@@ -225,6 +225,7 @@ class GRPOTrainer:
         t_rollout = time.perf_counter()
         staleness = sampled.versions_behind(step - 1)  # per completion: versions between its sampler and pi_old
         ckpt.fault_point("kill-in-step", step)
+        ckpt.fault_point("hold-in-step", step)
         self.last_prompt_indices = indices
 
         # 3. rewards
@@ -533,6 +534,7 @@ class SafePoint:
     def _handle(self, signum: int, frame) -> None:
         if self.received is None:
             self.received = signal.Signals(signum).name
+            ckpt.SIGNALLED.set()
             os.write(
                 2,
                 f"\n{self.received}: finishing this step, then saving a checkpoint (again to stop at once)\n".encode(),
