@@ -176,7 +176,9 @@ def _print_result(result, project_dir: str) -> None:
     c.print(f"checkpoint:    {result.final_checkpoint}")
     c.print(f"run id:        {result.run_id}")
     c.print(f"MLflow run:    {result.mlflow_url}")
-    if "PREFECT_API_URL" not in os.environ:  # the embedded stores: their UIs are not running yet
+    from flows import runtime
+
+    if runtime.embedded():  # the embedded stores: their UIs are not running yet
         c.print(f"the UIs:       ballast ui --project-dir {shlex.quote(project_dir)}   (MLflow :5000, Prefect :4200)")
 
 
@@ -487,8 +489,10 @@ def cmd_sweep_worker(args) -> int:
 
     _check_storage_flag(args.storage)
     _, sweep = join_study(args.study, make_storage(args.storage), worker=args.worker)  # a bad study name fails early
-    runtime.configure(base_spec(sweep).get("project_dir", ".ballast"))
+    runtime.prestart(base_spec(sweep).get("project_dir", ".ballast"))  # nothing to start when spawned by a sweep
     from flows.sweep import ballast_sweep_worker
+
+    runtime.wait_until_started()
 
     result = ballast_sweep_worker(
         args.study, args.storage, trials=args.trials, worker=args.worker, summary=not args.no_summary
@@ -607,6 +611,8 @@ def cmd_ui(args) -> int:
             f"--project-dir {args.project_dir}: no mlflow.db there; give the project folder a run used "
             "(project_dir in its spec, default .ballast)"
         )
+    for port, flag in ((args.mlflow_port, "--mlflow-port"), (args.prefect_port, "--prefect-port")):
+        _refuse_taken_port(args.host, port, flag)
     commands = ui_commands(project, args.host, args.mlflow_port, args.prefect_port)
     shown = _shown_host(args.host)
     urls = {
@@ -620,33 +626,57 @@ def cmd_ui(args) -> int:
     for name, (env, argv) in commands.items():  # what runs, as a command that can be pasted into a shell
         print(f"{name:<8} {' '.join(f'{k}={shlex.quote(v)}' for k, v in env.items())} {shlex.join(argv)}")
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops both UIs, as Ctrl-C does
-    procs = {
-        name: subprocess.Popen(
+    from flows.runtime import spawn_in_own_session
+
+    procs = {  # in sessions of their own: a terminal's Ctrl-C reaches this process, which stops them in order
+        name: spawn_in_own_session(
             [sys.executable, "-m", *argv],
-            env={**os.environ, **env},  # Prefect's banner
-            stdout=subprocess.DEVNULL if name == "prefect" else None,
-        )  # says `config set`
+            env={**os.environ, **env},
+            stdout=subprocess.DEVNULL if name == "prefect" else None,  # Prefect's banner says `config set`
+        )
         for name, (env, argv) in commands.items()
     }
     try:
-        for name, proc in procs.items():
-            seconds = _wait_ready(health[name], proc)
-            if seconds is not None:
-                print(f"{name:<8} ready in {seconds:.0f} s: {urls[name]}")
-            elif proc.poll() is None:
-                print(f"{name:<8} not answering {health[name]} after {UI_READY_TIMEOUT_S} s; still waiting")
-            else:
-                print(f"{name:<8} exited with status {proc.returncode} before it accepted connections (see above)")
-        print("Ctrl-C stops both.")
-        for proc in procs.values():
-            proc.wait()
+        return _serve(procs, health, urls)
     except KeyboardInterrupt:
-        pass
+        return 0
     finally:
         for proc in procs.values():
             if proc.poll() is None:
                 proc.terminate()
                 proc.wait(timeout=30)
+
+
+def _refuse_taken_port(host: str, port: int, flag: str) -> None:
+    """A UI port something else listens on is refused before anything starts: its health check would answer, and the
+    printed address would show that other server's runs."""
+    import socket
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise UserError(
+                f"{flag} {port}: the port is in use on {_shown_host(host)} ({e.strerror}; another `ballast ui` or "
+                f"server?); stop it, or choose a free port with {flag} N"
+            ) from None
+
+
+def _serve(procs: dict, health: dict[str, str], urls: dict[str, str]) -> int:
+    """Wait for each UI to answer and print its address; then run until they exit (0) — 1 when one never started."""
+    for name, proc in procs.items():
+        seconds = _wait_ready(health[name], proc)
+        if seconds is not None:
+            print(f"{name:<8} ready in {seconds:.0f} s: {urls[name]}")
+        elif proc.poll() is None:
+            print(f"{name:<8} not answering {health[name]} after {UI_READY_TIMEOUT_S} s; still waiting")
+        else:
+            print(f"{name:<8} exited with status {proc.returncode} before it accepted connections (see above)")
+            return 1
+    print("Ctrl-C stops both.")
+    for proc in procs.values():
+        proc.wait()
     return 0
 
 

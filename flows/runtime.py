@@ -1,17 +1,34 @@
-"""Where Prefect runs: an embedded, ephemeral API under the project folder, unless the user points at a server.
+"""Where Prefect runs: an embedded API server under the project folder, unless the user points at a server.
 
-With nothing configured Prefect's state lives in `<project_dir>/prefect` (PREFECT_HOME) and its local API server
-starts with the first flow. That start takes 10-30 s on a 2-core machine, so `prestart()` asks for a client in
-a background thread (Prefect's public `get_client`, which starts the ephemeral server when no PREFECT_API_URL is
-set): the start then overlaps the imports of torch, transformers and MLflow and the model build. The server's
-background services have nothing to do for one process with no deployments or schedules, and only take CPU
-from training (a quickstart step ran 5-10 % slower with them on), so they are off in embedded mode.
+With nothing configured Prefect's state lives in `<project_dir>/prefect` (PREFECT_HOME), served by an API server
+that Ballast starts itself — the same uvicorn app Prefect's own ephemeral server runs — rather than letting Prefect
+start one as a plain child. The choices, on purpose:
+
+- **Its own session.** A terminal's Ctrl-C goes to the whole foreground process group. Prefect's ephemeral server
+  is in that group, so it died with the first Ctrl-C while the run was stopping at a safe point, and the run then
+  hung on connection errors. The server Ballast starts is in a session of its own (`start_new_session`): Ctrl-C
+  reaches the `ballast` process alone, which stops at a safe point, tells the server, and stops the server when it
+  exits (atexit). It dies with its parent too (Linux `PR_SET_PDEATHSIG`), so a killed or closed terminal leaves no
+  server behind.
+- **Started early, in the background.** The start takes 10-30 s on a 2-core machine; `prestart()` launches it and
+  sets PREFECT_API_URL before Prefect is imported, and `wait_until_started()` waits for its health check only when a
+  flow is about to run, so the start overlaps the imports of torch, transformers and MLflow and the model build.
+- **Quiet.** The server's background services have nothing to do for one process with no deployments or schedules,
+  and only take CPU from training (a quickstart step ran 5-10 % slower with them on), so they are off.
+
+`embedded()` says whether the API is this embedded one (the CLI then prints how to open the UIs on the project's
+stores); with PREFECT_API_URL set by the user nothing is started.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
-import threading
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 IDLE_EPHEMERAL_SERVICES = (
@@ -25,9 +42,22 @@ IDLE_EPHEMERAL_SERVICES = (
     "CLEANUP_RECONCILER",
     "TRIGGERS",
 )
-STARTUP_TIMEOUT_S = "180"  # 2-core machines start the ephemeral server slowly
+STARTUP_TIMEOUT_S = 180  # 2-core machines start the server slowly
+EMBEDDED = "BALLAST_EMBEDDED_PREFECT_API"  # set to PREFECT_API_URL's value when that is the server started here
+# A child that dies with its parent: PR_SET_PDEATHSIG (1) with SIGTERM (15), then exec the command. Not a preexec_fn
+# (unsafe with threads); where prctl does not exist (macOS) the child simply outlives a killed parent.
+DIE_WITH_PARENT = (
+    "import ctypes, os, sys\n"
+    "try:\n"
+    "    ctypes.CDLL(None, use_errno=True).prctl(1, 15)\n"
+    "except (AttributeError, OSError):\n"
+    "    pass\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(0)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
 
-_started: threading.Thread | None = None
+_server: subprocess.Popen | None = None
 
 
 def configure(project_dir: str) -> None:
@@ -38,7 +68,7 @@ def configure(project_dir: str) -> None:
         os.environ.setdefault("PREFECT_HOME", str(home))
         for service in IDLE_EPHEMERAL_SERVICES:
             os.environ.setdefault(f"PREFECT_SERVER_SERVICES_{service}_ENABLED", "false")
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", STARTUP_TIMEOUT_S)
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(STARTUP_TIMEOUT_S))
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     # a flow run's own lines (flows/view.py) reach Prefect's API, so its UI shows them; the terminal shows only
     # warnings and errors from Prefect, as before (our lines are printed by the view itself)
@@ -50,25 +80,89 @@ def configure(project_dir: str) -> None:
 
 
 def prestart(project_dir: str) -> None:
-    """Configure, then start the ephemeral API server in the background (nothing to start with a server URL)."""
-    global _started
+    """Configure, then start the embedded API server in the background (nothing to start with a server URL). Call it
+    before anything imports Prefect: PREFECT_API_URL is read when Prefect loads its settings."""
+    global _server
     configure(project_dir)
-    if os.environ.get("PREFECT_API_URL") or _started is not None:
+    if os.environ.get("PREFECT_API_URL") or _server is not None:
         return
+    port = free_port()
+    server_env = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+    _server = spawn_in_own_session(uvicorn_argv(port), env={**os.environ, **server_env})
+    atexit.register(stop)
+    os.environ["PREFECT_API_URL"] = os.environ[EMBEDDED] = f"http://127.0.0.1:{port}/api"
 
-    def start() -> None:
-        from prefect.client.orchestration import get_client
 
+def uvicorn_argv(port: int) -> list[str]:
+    """The command Prefect's own ephemeral server runs (prefect.server.api.server.SubprocessASGIServer)."""
+    import importlib.util
+
+    prefect_dir = Path(importlib.util.find_spec("prefect").origin).parent
+    return [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--app-dir",
+        str(prefect_dir.parent),
+        "--factory",
+        "prefect.server.api.server:create_app",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "error",
+        "--lifespan",
+        "on",
+    ]
+
+
+def spawn_in_own_session(argv: list[str], **popen) -> subprocess.Popen:
+    """A server child that a terminal's Ctrl-C does not reach (its own session) and that dies with this process."""
+    wrapped = [sys.executable, "-c", DIE_WITH_PARENT, str(os.getpid()), *argv]
+    return subprocess.Popen(wrapped, start_new_session=True, **popen)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def embedded() -> bool:
+    """True when Prefect's API is the embedded server under the project folder (none given by the user)."""
+    return bool(os.environ.get(EMBEDDED)) and os.environ.get("PREFECT_API_URL") == os.environ.get(EMBEDDED)
+
+
+def wait_until_started(timeout: float = STARTUP_TIMEOUT_S) -> None:
+    """Wait until the embedded server answers its health check (nothing to wait for with a user's server)."""
+    if _server is None:
+        return
+    url, deadline = os.environ[EMBEDDED] + "/health", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _server.poll() is not None:
+            raise RuntimeError(
+                f"the embedded Prefect API server exited with status {_server.returncode} before answering "
+                f"(its output is above); set PREFECT_API_URL to a running Prefect server instead"
+            )
         try:
-            with get_client(sync_client=True) as client:
-                client.api_healthcheck()
-        except Exception:
-            pass  # the flow call starts it again and reports what went wrong
+            with urllib.request.urlopen(url, timeout=2) as answer:
+                if answer.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"the embedded Prefect API server did not answer {url} within {timeout:.0f} s")
 
-    _started = threading.Thread(target=start, name="prefect-ephemeral-start", daemon=True)
-    _started.start()
 
-
-def wait_until_started() -> None:
-    if _started is not None:
-        _started.join()
+def stop() -> None:
+    """Stop the embedded server (at exit): SIGTERM to its session, SIGKILL after 10 s."""
+    global _server
+    server, _server = _server, None
+    if server is None or server.poll() is not None:
+        return
+    server.terminate()
+    try:
+        server.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
