@@ -9,6 +9,12 @@ is away, and connection failures as one line.
   flush first sends what the spool holds, so the metrics kept during an outage reach MLflow when the server
   returns. What is still there at the end is named with the command that sends it later (`ballast sync RUN_ID`,
   which calls `send_pending`). MLflow drops a metric it already has, so sending a line twice is harmless.
+* Exactly once across a resume. A run killed after MLflow took steps past its last checkpoint replays those steps
+  when resumed; MLflow cannot delete a value, and the replay's timestamps differ, so it would hold them twice. A
+  resumed run's sink (`replayed=True`) therefore skips every (metric, step) MLflow already holds — looked up once per
+  metric, after the spool is sent — and keeps the values recorded first. A resume is exact (tests/test_signals.py),
+  so they are the replay's values; where one is not (a deterministic metric differs beyond rounding: a
+  nondeterministic kernel, a changed environment), `mismatches` says which, and the recorder tags the run with it.
 """
 
 from __future__ import annotations
@@ -25,10 +31,16 @@ from mlflow.entities import Metric
 from mlflow.exceptions import MlflowException
 
 from infra.mlflow_server import TrackingUnavailable, is_http, short_reason
+from trainer.checkpoint import fault_point
 from trainer.loop import Callbacks
 
 PENDING = "mlflow-pending.jsonl"
 BATCH = 1000  # metrics per log_batch call (MLflow's limit)
+NONDETERMINISTIC = ("time/", "step_time", "tokens_per_second", "judge/")  # measured, or served from a cache on replay
+
+
+def _same(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-6 * max(1.0, abs(a), abs(b))
 
 
 # ── during a run ───────────────────────────────────────────────────────────────────────────────────
@@ -86,9 +98,11 @@ class MetricsSink(Callbacks):
     retry_max_seconds = 60.0  # while MLflow is away, batches go straight to the spool; asked again after 4, 8 ... s
     close_seconds = 120.0  # the most `close()` waits for the last flush (each request is bounded: check_tracking)
 
-    def __init__(self, client, run_id: str, every: int = 1, spool: Path | None = None):
+    def __init__(self, client, run_id: str, every: int = 1, spool: Path | None = None, replayed: bool = False):
         self.client, self.run_id, self.every = client, run_id, every
         self.spool = Path(spool) if spool else None
+        self.recorded: dict[str, dict[int, float]] | None = {} if replayed else None  # metric -> step -> value
+        self.mismatches: list[str] = []  # replayed values that differ from the ones recorded first
         self.error: Exception | None = None  # the last failure to send
         self.pending = pending_count(self.spool) if self.spool else 0  # metrics in the spool (a resumed run's too)
         self._failures, self._retry_at = 0, 0.0
@@ -134,15 +148,35 @@ class MetricsSink(Callbacks):
             if self.pending:
                 send_pending(self.client, self.spool)
                 self.pending = 0
+            batch = self._not_recorded(batch)
             for start in range(0, len(batch), BATCH):
                 self.client.log_batch(self.run_id, metrics=batch[start : start + BATCH])
                 sent = min(len(batch), start + BATCH)
             self.error, self._failures = None, 0
+            for step in sorted({m.step for m in batch}):
+                fault_point("kill-after-logged", step)  # BALLAST_FAULT: MLflow holds this step, then the process dies
         except Exception as e:  # an outage: keep training, keep the metrics
             self.error, self._failures = e, self._failures + 1
             self._retry_at = time.monotonic() + min(self.retry_max_seconds, self.flush_seconds * 2**self._failures)
             self.pending = pending_count(self.spool) if self.spool else 0  # the spool may have been sent in part
             self._keep(batch[sent:])
+
+    def _not_recorded(self, batch: list[Metric]) -> list[Metric]:
+        """A resumed run's metrics minus those MLflow already holds for that step (see the module docstring)."""
+        if self.recorded is None:
+            return batch
+        kept = []
+        for m in batch:
+            if m.key not in self.recorded:
+                history = self.client.get_metric_history(self.run_id, m.key)
+                self.recorded[m.key] = {h.step: h.value for h in history}
+            first = self.recorded[m.key].get(m.step)
+            if first is None:
+                kept.append(m)
+                self.recorded[m.key][m.step] = m.value
+            elif not _same(first, m.value) and not m.key.startswith(NONDETERMINISTIC):
+                self.mismatches.append(f"{m.key} at step {m.step}: {first:.6g} recorded, {m.value:.6g} replayed")
+        return kept
 
     def _keep(self, metrics: list[Metric]) -> None:
         if self.spool is not None and metrics:

@@ -127,6 +127,27 @@ class Tracking:
                 "runs) and tracking.uri"
             ) from None
 
+    def resolve_run_id(self, given: str) -> str:
+        """The full run id of `given`: a run id, a run's name (`quickstart-7967ed74`) or the 8-character id in it."""
+        try:
+            return self.client.get_run(given).info.run_id
+        except Exception:
+            pass
+        quoted = given.replace("'", "")
+        found = {
+            r.info.run_id: r.info.run_name
+            for name_filter in (f"attributes.run_name = '{quoted}'", f"attributes.run_name LIKE '%-{quoted}'")
+            for r in self.client.search_runs([self.experiment_id], name_filter, max_results=10)
+        }
+        if len(found) == 1:
+            return next(iter(found))
+        if found:
+            raise ValueError(f"{given!r} names {len(found)} runs ({', '.join(sorted(found.values()))}); give a run id")
+        raise ValueError(
+            f"MLflow run {given!r} was not found in {self.uri}; give the run id or run name `ballast run` printed "
+            "(ballast ui lists runs) and check tracking.uri"
+        )
+
     def tags(self, run_id: str) -> dict[str, str]:
         """The run's facts: its params and tags (a run's long-valued facts are params, LONG_FACTS)."""
         data = self.find_run(run_id).data
@@ -203,7 +224,9 @@ class RunRecorder:
         self.cache_dir = Path(spec.project_dir).resolve() / "cache" / run_id
         self.store = open_store(store_uri(spec))
         self.checkpoint_prefix = checkpoint_prefix(run_id)
-        self.metrics = MetricsSink(self.client, run_id, spec.tracking.log_every, spool=self.output_dir / PENDING)
+        self.metrics = MetricsSink(
+            self.client, run_id, spec.tracking.log_every, spool=self.output_dir / PENDING, replayed=resumed
+        )
         self.started = time.perf_counter()
         self._stage_run: str | None = None
         self.probe_reports: list[ProbeReport] = []
@@ -214,6 +237,9 @@ class RunRecorder:
     @property
     def url(self) -> str:
         return self.tracking.run_url(self.run_id)
+
+    def tags_now(self) -> dict[str, str]:
+        return self.client.get_run(self.run_id).data.tags
 
     @classmethod
     def start(
@@ -340,6 +366,9 @@ class RunRecorder:
                 self.client.log_metric(sid, "fork/max_logprob_diff", result.max_logprob_diff)
         elif isinstance(result, TrainOutcome):
             self.metrics.close()
+            if self.metrics.mismatches:  # a resume that did not replay exactly: the values recorded first are kept
+                shown = "; ".join(self.metrics.mismatches[:3])
+                self.tracking.set_tags(self.run_id, {"resume_mismatch": f"{len(self.metrics.mismatches)}: {shown}"})
             self.client.log_metric(sid, "trainer_seconds", result.trainer_seconds)
             self.client.log_metric(sid, "last_step", result.last_step)
             if result.stopped:
@@ -424,6 +453,8 @@ class RunRecorder:
         self.tracking.set_tags(
             self.run_id, {"status": result.status, "mlflow.note.content": self.note(result.markdown())}
         )
+        if not result.stopped and TAG + "stop_reason" in self.tags_now():  # a resumed run's old "stopped by SIGINT"
+            self.client.delete_tag(self.run_id, TAG + "stop_reason")
         self.view.finished(result)
         self.client.set_terminated(self.run_id, MLFLOW_STATUS.get(result.status, "FINISHED"))
         return result

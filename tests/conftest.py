@@ -98,6 +98,8 @@ INTEGRATION_MODULES = {
     "test_nothing_lost",
     "test_outages",
     "test_signals",
+    "test_terminal",
+    "test_resume_records",
 }
 
 

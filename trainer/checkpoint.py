@@ -17,6 +17,7 @@ through it. No pickles beyond `torch.load(weights_only=True)`.
 
 `BALLAST_FAULT=kill-in-checkpoint:<step>` SIGKILLs the process half-way through writing that step's
 checkpoint, `kill-in-step:<step>` half-way through that step: the hooks the resume tests use.
+`kill-after-logged:<step>` SIGKILLs a pipeline run once MLflow holds that step's metrics (tasks/metrics_sink.py).
 `hold-in-step:<step>` holds that step until a stop signal has arrived (`SIGNALLED`, set by the trainer's
 SafePoint): the signal tests' way to land a signal inside a known step whatever the machine's speed.
 """
