@@ -215,7 +215,8 @@ def _tool_commands(command) -> None:
     p.add_argument("--prefect-port", type=int, default=4200, help="Prefect UI port (default 4200)")
 
     command("metrics", "every metric name and what it means")
-    command("spec-schema", "the experiment spec as JSON schema")
+    p = command("spec-schema", "every spec field: its type, default and meaning, section by section")
+    p.add_argument("--json", action="store_true", help="the spec as a JSON schema document, for programs")
 
 
 def _version() -> str:
@@ -272,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:
         print("interrupted; saved checkpoints are kept — continue with --resume", file=sys.stderr)
         return 143 if isinstance(e, Terminated) else 130
+    except BrokenPipeError:  # `ballast spec-schema | head`: the reader left; stop quietly, as a SIGPIPE'd tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit flush must not raise again
+        return 141
 
 
 class Terminated(KeyboardInterrupt):

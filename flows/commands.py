@@ -29,9 +29,13 @@ def cmd_run(args) -> int:
                 f"--set cannot change run {args.resume} on --resume (it runs its own spec.yaml); resume it "
                 f"as it is, or start a new run from it with --set fork.run_id={args.resume}"
             )
-        spec_path = _spec_file_of_run(args.resume, args.spec, args.project_dir)
+        args.resume, spec_path = _spec_file_of_run(args.resume, args.spec, args.project_dir)
         spec, overrides = str(spec_path), []
         resumed = load_spec(spec_path)
+        finished = _finished(resumed, args.resume)
+        if finished:
+            print(finished)
+            return 0
         _refuse_changed_resume(args, resumed)
         _check_resume(resumed, spec_path.parent)
         project_dir = resumed.project_dir
@@ -147,7 +151,8 @@ def _check_store(spec) -> None:
         raise UserError(f"storage.uri {store_uri(spec)}: {e}", 1 if isinstance(e, StoreUnavailable) else 2) from None
 
 
-def _spec_file_of_run(run_id: str, spec_path: str | None, project_dir: str) -> Path:
+def _spec_file_of_run(given: str, spec_path: str | None, project_dir: str) -> tuple[str, Path]:
+    """(the run's full id, its spec.yaml) for `--resume` given a run id, a run name or the short id in a name."""
     from tasks.record import Tracking
     from tasks.spec import load_spec
 
@@ -155,12 +160,28 @@ def _spec_file_of_run(run_id: str, spec_path: str | None, project_dir: str) -> P
         load_spec(spec_path) if spec_path else load_spec({"model": {"name_or_path": "-"}, "project_dir": project_dir})
     )
     try:
-        out = Tracking(probe).output_dir_of(run_id)
+        tracking = Tracking(probe)
+        run_id = tracking.resolve_run_id(given)
+        out = tracking.output_dir_of(run_id)
     except ValueError as e:  # not in this tracking store
-        raise UserError(f"--resume {run_id}: {e}") from None
+        raise UserError(f"--resume {given}: {e}") from None
     if out is None or not (out / "spec.yaml").exists():
         raise UserError(f"run {run_id} has no output directory with a spec.yaml on this machine; cannot resume it here")
-    return out / "spec.yaml"
+    return run_id, out / "spec.yaml"
+
+
+def _finished(spec, run_id: str) -> str | None:
+    """What to say instead of resuming a run that already finished (None: it did not)."""
+    from tasks.record import Tracking
+
+    tags = Tracking(spec).tags(run_id)
+    if tags.get("ballast.status") not in ("finished", "collapsed", "probe_failed", "pruned"):
+        return None
+    report = Path(tags.get("ballast.output_dir", "")) / "report.html"
+    return (
+        f"run {run_id} already ended ({tags['ballast.status'].replace('_', ' ')}); nothing to resume. Its report: "
+        f"{report}. To train further, start a new run from it: ballast run SPEC --set fork.run_id={run_id}"
+    )
 
 
 def _print_result(result, project_dir: str) -> None:
@@ -701,7 +722,7 @@ def _wait_ready(url: str, proc, timeout: float = UI_READY_TIMEOUT_S) -> float | 
 
 
 def cmd_metrics(args) -> int:
-    from tasks.record import METRICS
+    from tasks.spec import METRICS  # the glossary alone: no torch, MLflow or Prefect to import
 
     width = max(map(len, METRICS))
     for name, meaning in METRICS.items():
@@ -710,8 +731,12 @@ def cmd_metrics(args) -> int:
 
 
 def cmd_spec_schema(args) -> int:
-    from tasks.spec import ExperimentSpec
+    from tasks.spec import ExperimentSpec, spec_reference
 
+    if not args.json:
+        for line in spec_reference():
+            print(line)
+        return 0
     schema = {
         "$schema": "https://json-schema.org/draft/2020-12/schema",  # the dialect pydantic writes
         **ExperimentSpec.model_json_schema(),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -24,6 +25,7 @@ from pydantic import Field, ValidationError, field_validator
 from trainer.config import InputError, ModelConfig, Section, TrainerConfig, is_variable_name  # noqa: F401  (ModelConfig: --base)
 from trainer.data import check_data
 from trainer.health import tag_pattern
+from trainer.metrics import METRICS  # noqa: F401  (the glossary `ballast metrics` prints; imports no torch)
 from trainer.rewards import check_rewards
 
 
@@ -268,7 +270,7 @@ def validate_spec(data: dict, where: str = "spec", spec_dir: Path | None = None)
         spec = ExperimentSpec.model_validate(data)
     except ValidationError as e:
         hint = "check the spelling against the spec reference (ballast spec-schema)"
-        raise SpecError(f"{where}: {describe_validation_error(e, hint)}") from None
+        raise SpecError(f"{where}: {describe_validation_error(e, hint, ExperimentSpec)}") from None
     try:
         check_rewards(spec.rewards, spec.eval.reward, spec_dir)
         check_data(spec.data)
@@ -332,13 +334,18 @@ def read_yaml_mapping(path: str | Path, what: str, pass_hint: str, shape: str, e
     return data
 
 
-def describe_validation_error(e: ValidationError, unknown_hint: str) -> str:
-    """A pydantic error as one line: the first problem with its dotted field, and how many more there are."""
+def describe_validation_error(e: ValidationError, unknown_hint: str, model: type | None = None) -> str:
+    """A pydantic error as one line: the first problem with its dotted field, and how many more there are. With the
+    `model` validated, an unknown field gets the nearest known one as "did you mean"."""
     err = e.errors()[0]
     field = ".".join(str(p) for p in err["loc"]) or "(top level)"
     message = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
-        msg = f"unknown field '{field}'; {unknown_hint}"
+        near = did_you_mean(str(err["loc"][-1]), _fields_at(model, err["loc"][:-1])) if model else None
+        prefix = ".".join(str(p) for p in err["loc"][:-1])
+        msg = f"unknown field '{field}'; " + (
+            f"did you mean '{prefix + '.' if prefix else ''}{near}'?" if near else unknown_hint
+        )
     elif err["type"] == "missing":
         msg = f"field '{field}' is required"
     elif err["type"] == "value_error" and (not err["loc"] or message.startswith(f"{field}.")):
@@ -351,6 +358,80 @@ def describe_validation_error(e: ValidationError, unknown_hint: str) -> str:
             msg += f" (got {shown[:80] + '...' if len(shown) > 80 else shown})"
     more = f" (+{len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
     return msg.replace("\n", " ") + more
+
+
+def did_you_mean(name: str, known) -> str | None:
+    """The known name closest to a misspelt one, if any is close."""
+    import difflib
+
+    found = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def _section_model(annotation) -> type | None:
+    """The spec section an annotation holds: the section itself, a list of it, or a member of a union."""
+    import typing
+
+    from pydantic import BaseModel
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _section_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _fields_at(model: type, loc: tuple) -> list[str]:
+    """The field names of the section at `loc` (e.g. ('grpo',), ('rewards', 0)) of a pydantic model."""
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(str(part))
+        model = _section_model(field.annotation) if field is not None else None
+        if model is None:
+            return []
+    return list(model.model_fields)
+
+
+def spec_reference(model: type = ExperimentSpec, prefix: str = "") -> list[str]:
+    """Every field of the spec as readable lines, section by section: name, type, default, meaning (`ballast
+    spec-schema`; `--json` gives the JSON schema)."""
+    from pydantic_core import PydanticUndefined
+
+    lines: list[str] = []
+    fields = [(name, field, _section_model(field.annotation)) for name, field in model.model_fields.items()]
+    leaves = [(name, field) for name, field, section in fields if section is None]
+    if leaves:
+        lines.append(f"[{prefix.rstrip('.') or 'top level'}]")
+        for name, field in leaves:
+            if field.default_factory is not None:
+                default = f"default {field.default_factory()!r}"
+            else:
+                default = "required" if field.default is PydanticUndefined else f"default {field.default!r}"
+            lines.append(f"  {prefix}{name}: {_type_name(field.annotation)}, {default}")
+            lines.append(f"      {' '.join((field.description or '').split())}")
+        lines.append("")
+    for name, field, section in fields:
+        if section is None:
+            continue
+        many = "[]" if typing.get_origin(field.annotation) is list else ""
+        if many:  # a list of sections (rewards): what the list is, and what it holds when not given
+            lines.append(f"[{prefix}{name}{many}]  {' '.join((field.description or '').split())}")
+            default = [item.model_dump(exclude_defaults=True) for item in field.default_factory()]
+            lines.append(f"  default: {default}")
+            sub = spec_reference(section, f"{prefix}{name}{many}.")
+            lines += sub[1:]  # its fields, under the heading above
+        else:
+            lines += spec_reference(section, f"{prefix}{name}.")
+    return lines
+
+
+def _type_name(annotation) -> str:
+    """int, str | None, Literal['a', 'b'] | None: as a reader writes a type."""
+    text = str(annotation).replace("typing.", "").replace("<class '", "").replace("'>", "").replace("NoneType", "None")
+    return re.sub(r"^Optional\[(.*)\]$", r"\1 | None", text)
 
 
 def set_path(data: dict, item: str) -> None:

@@ -56,8 +56,8 @@ def test_the_command_list_appears_once_in_the_usage_line():
     assert usage.strip() == "usage: ballast [-h] [--version] COMMAND ..."
 
 
-def test_spec_schema_is_a_json_schema_document_that_describes_every_field(capsys):
-    assert main(["spec-schema"]) == 0
+def test_spec_schema_json_is_a_json_schema_document_that_describes_every_field(capsys):
+    assert main(["spec-schema", "--json"]) == 0
     schema = json.loads(capsys.readouterr().out)
     assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
     undescribed = [
@@ -119,3 +119,35 @@ def test_ui_commands_start_mlflow_with_one_worker_and_can_be_pasted():
     assert env["PREFECT_UI_API_URL"] == "http://127.0.0.1:4200/api"
     line = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(argv)
     assert shlex.split(line)[-len(argv) :] == argv  # what is printed splits back into the same command
+
+
+def test_spec_schema_lists_every_field_with_its_type_default_and_meaning_section_by_section(capsys):
+    from tasks.spec import ExperimentSpec
+
+    assert main(["spec-schema"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "[grpo]" in out and "[rewards[]]  Reward functions; the total reward is their weighted sum." in out
+    beta = out.index("  grpo.beta: float, default 0.04")
+    assert out[beta + 1].strip() == ExperimentSpec.model_fields["grpo"].annotation.model_fields["beta"].description
+    assert "  model.name_or_path: str, required" in out
+    assert "  model.gguf_file: str | None, default None" in out
+    fields = [line.split(":")[0].strip() for line in out if line.startswith("  ") and not line.startswith("   ")]
+    assert len(fields) == len(set(fields)) > 100
+
+
+def test_spec_schema_piped_into_a_reader_that_stops_early_ends_quietly():
+    shell = f"{shlex.quote(sys.executable)} -c 'from flows.cli import main; import sys; sys.exit(main())' "
+    done = subprocess.run(
+        shell + "spec-schema --json | head -2", shell=True, cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert done.stdout.splitlines() == ["{", ' "$schema": "https://json-schema.org/draft/2020-12/schema",']
+    assert done.stderr == ""
+
+
+@pytest.mark.parametrize(
+    "given, suggested", [("grpo.betta=0.1", "grpo.beta"), ("optim.learnig_rate=0.1", "optim.learning_rate")]
+)
+def test_a_misspelt_spec_field_gets_the_nearest_field_as_did_you_mean(given, suggested):
+    with pytest.raises(SpecError) as e:
+        load_spec(QUICKSTART, [given])
+    assert str(e.value) == f"--set {given}: unknown field '{given.split('=')[0]}'; did you mean '{suggested}'?"

@@ -178,7 +178,7 @@ def test_ballast_run_resumed_after_a_signal_continues_from_the_saved_step(signal
     run_dir = project / "runs" / run_id
     saved = list_checkpoints(run_dir / "checkpoints")[-1]
     saved_bytes = {p.name: p.read_bytes() for p in saved[1].rglob("*") if p.is_file()}
-    proc = ballast("run", "--resume", run_id, "--project-dir", str(project))
+    proc = ballast("run", "--resume", run_id[:8], "--project-dir", str(project))  # the id shown in the run's name
     out, err = proc.communicate(timeout=WAIT_S)
     assert proc.returncode == 0, err[-3000:]
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
@@ -188,3 +188,17 @@ def test_ballast_run_resumed_after_a_signal_continues_from_the_saved_step(signal
     assert {p.name: p.read_bytes() for p in saved[1].rglob("*") if p.is_file()} == saved_bytes
     history = client.get_metric_history(run_id, "reward")
     assert sorted(m.step for m in history) == list(range(1, STEPS + 1))  # steps up to the signal: logged once
+    assert "ballast.stop_reason" not in client.get_run(run_id).data.tags  # not the old "stopped by SIGINT ... resume"
+
+
+def test_resuming_a_run_that_finished_says_so_and_runs_nothing(signalled_run):
+    """After the test above finished the run (tests run in file order)."""
+    _, _, _, project, run_id = signalled_run
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    name = client.get_run(run_id).info.run_name
+    stages_before = len(client.search_runs([client.get_run(run_id).info.experiment_id]))
+    proc = ballast("run", "--resume", name, "--project-dir", str(project))
+    out, err = proc.communicate(timeout=WAIT_S)
+    assert proc.returncode == 0, err[-3000:]
+    assert out.strip().startswith(f"run {run_id} already ended (finished); nothing to resume.")
+    assert len(client.search_runs([client.get_run(run_id).info.experiment_id])) == stages_before
