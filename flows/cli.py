@@ -17,14 +17,7 @@ import signal
 import subprocess
 import sys
 
-
-class UserError(Exception):
-    """An error in what the user gave; printed as one line, exit status `code`."""
-
-    def __init__(self, message: str, code: int = 2):
-        super().__init__(message)
-        self.code = code
-
+from flows.errors import UserError
 
 SET_HELP = "override a spec field, e.g. --set grpo.beta=0.1 (repeatable; the value is read as YAML)"
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from flows.cli import UserError
+from flows.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
 
