@@ -23,8 +23,9 @@ import yaml
 from pydantic import Field, ValidationError, field_validator
 
 from trainer.config import InputError, ModelConfig, Section, TrainerConfig, is_variable_name  # noqa: F401  (ModelConfig: --base)
-from trainer.data import check_data
+from trainer.data import SOURCES, check_data, locate_data_file
 from trainer.health import tag_pattern
+from trainer.locate import check_device, check_model_source
 from trainer.metrics import METRICS  # noqa: F401  (the glossary `ballast metrics` prints; imports no torch)
 from trainer.rewards import check_rewards
 
@@ -263,8 +264,10 @@ def _blame_override(error: SpecError, where: str, overrides) -> SpecError:
 
 
 def validate_spec(data: dict, where: str = "spec", spec_dir: Path | None = None) -> ExperimentSpec:
-    """The spec, its reward functions (imported from `spec_dir` or the working directory) and its data files
-    checked — all before torch or a model loads; any problem is a SpecError naming the field or file:line."""
+    """The spec, its data files (a relative path is looked up in `spec_dir`, then the working directory, and
+    stored absolute) and its reward functions (imported from `spec_dir` or the working directory, each user
+    function called once on placeholder completions for the first prompts of the data) checked — all before torch
+    or a model loads; any problem is a SpecError naming the field or file:line."""
     _refuse_secrets(data, where)
     try:
         spec = ExperimentSpec.model_validate(data)
@@ -272,11 +275,25 @@ def validate_spec(data: dict, where: str = "spec", spec_dir: Path | None = None)
         hint = "check the spelling against the spec reference (ballast spec-schema)"
         raise SpecError(f"{where}: {describe_validation_error(e, hint, ExperimentSpec)}") from None
     try:
-        check_rewards(spec.rewards, spec.eval.reward, spec_dir)
-        check_data(spec.data)
+        if spec.data.source not in SOURCES:
+            spec.data.source = locate_data_file(spec.data.source, "data.source", spec_dir)
+        if spec.data.eval_path is not None:
+            spec.data.eval_path = locate_data_file(spec.data.eval_path, "data.eval_path", spec_dir)
+        examples = check_data(spec.data)
+        check_rewards(spec.rewards, spec.eval.reward, spec_dir, examples, spec.grpo.num_generations)
     except (ValueError, FileNotFoundError) as e:
         raise SpecError(f"{where}: {e}") from None
     return spec
+
+
+def check_runnable(spec: ExperimentSpec) -> None:
+    """What a command that loads the model checks after the spec, still without torch: the model can be found (or
+    built) here, offline, and the device exists (trainer/locate.py). A SpecError naming the field."""
+    try:
+        check_device(spec.model.device)
+        check_model_source(spec.model)
+    except InputError as e:
+        raise SpecError(str(e)) from None
 
 
 # ── YAML files and validation errors, read the same way for specs and sweep files (sweeps/space.py) ─────

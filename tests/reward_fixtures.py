@@ -63,3 +63,48 @@ def two_digit_format(completions, answers, prompts):
     """A format check with a loophole: it pays <output>N</output> with one or two digits, whatever the answer (its
     author thought every sum has two digits), so the policy learns to cut three-digit sums short."""
     return [1.0 if re.fullmatch(r"\s*<output>\d{1,2}</output>\s*", c) else 0.0 for c in completions]
+
+
+# --- broken rewards, refused by the trial call before the model loads (tests/test_rewards.py) -------------------
+
+
+def returns_none(completions, answers, prompts):
+    scores = [float(c == a) for c, a in zip(completions, answers)]  # noqa: F841  (forgot to return it)
+
+
+def returns_a_string(completions, answers, prompts):
+    return "1.0"
+
+
+def nan_for_empty(completions, answers, prompts):
+    return [float("nan") if not c else 1.0 for c in completions]
+
+
+def last_word(completions, answers, prompts):
+    return [float(c.split()[-1] == a) for c, a in zip(completions, answers)]  # IndexError on an empty completion
+
+
+# --- rewards that take the data's columns and options ----------------------------------------------------------
+
+
+def capital_match(completions, answers, prompts, country=None, strict=False):
+    """1.0 when the completion names the answer; `country` is the data's column."""
+    return [float(a.lower() in c.lower()) for c, a in zip(completions, answers)]
+
+
+def reads_kwargs(completions, answers, prompts, tolerance=0.0, **kwargs):
+    return [float(len(kwargs.get("country") or []) >= 0) for _ in completions]
+
+
+def reads_documented_kwargs(completions, answers, prompts, **kwargs):
+    """Options: `bonus` (float, added to every score), read from kwargs."""
+    return [float(kwargs.get("bonus", 0.0)) for _ in completions]
+
+
+def echo_columns(completions, answers, prompts, **kwargs):
+    """Records what it was given: 1.0 per completion (SEEN holds the calls)."""
+    SEEN.append({"answers": answers, "prompts": prompts, **kwargs})
+    return [1.0] * len(completions)
+
+
+SEEN: list = []

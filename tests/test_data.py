@@ -169,9 +169,12 @@ def test_jsonl_line_that_is_not_json_names_file_and_line(tmp_path):
         read_jsonl(path)
 
 
-def test_jsonl_prompt_must_be_a_string(tmp_path):
+def test_jsonl_prompt_must_be_a_string_or_messages(tmp_path):
+    path = write_lines(tmp_path / "d.jsonl", '{"prompt": 5}')
+    with pytest.raises(ValueError, match=rf"^{path}:1: 'prompt' is a int; give the user's message as a string"):
+        read_jsonl(path)
     path = write_lines(tmp_path / "d.jsonl", '{"prompt": ["a"]}')
-    with pytest.raises(ValueError, match=rf"^{path}:1: 'prompt' is a list; give the user's message as a string"):
+    with pytest.raises(ValueError, match=rf"^{path}:1: 'prompt'\[0\] is \"a\", not a message with a string 'role'"):
         read_jsonl(path)
 
 
@@ -210,7 +213,8 @@ def test_bad_data_file_fails_before_torch_is_imported(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code, str(spec)], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.stdout.splitlines() == [
-        f"{spec}: {data}:1 has no 'prompt' field (it has answer); add the user's message as 'prompt'",
+        f"{spec}: {data}:1 has no 'prompt' field (it has answer); add the user's message as 'prompt' (or the "
+        "conversation as 'messages')",
         "[]",
     ], out.stderr
 

@@ -4,10 +4,21 @@ A reward function is called with keyword arguments and returns one float per com
 
     fn(completions=[...], answers=[...], prompts=[...], **kwargs) -> list[float]
 
-where `kwargs` are the spec's `rewards[i].kwargs`. Completions of the same prompt are contiguous
-groups of G (grpo.num_generations), so a judge-style reward can score a group relative to itself.
-Arguments are passed by name, so a TRL-style `fn(prompts, completions, **kwargs)` also works (it
-finds the answers in kwargs['answers']).
+where `kwargs` are the spec's `rewards[i].kwargs` and the data's other columns (trainer/data.py), one value per
+completion, as TRL passes a dataset's columns: a function gets the columns it names as parameters, or every
+column when it takes **kwargs (built-ins take none). A prompt is a string or, for chat rows, a list of messages;
+an answer is a string or, for rows with several accepted answers, a list of them (the built-ins accept any one).
+Completions of the same prompt are contiguous groups of G (grpo.num_generations), so a judge-style reward can
+score a group relative to itself. Arguments are passed by name, so a TRL-style `fn(prompts, completions,
+**kwargs)` also works (it finds the answers in kwargs['answers']).
+
+What the spec gives a function is checked before any model loads. A spec kwarg must be a parameter of the
+function: when the function takes **kwargs (to receive the columns), a kwarg it neither names as a parameter nor
+mentions in its docstring is refused as a probable typo — **kwargs would swallow `tolerence: 0.1` silently, and a
+function that reads an option from **kwargs can say so in its docstring. A column and a spec kwarg of the same
+name are refused (one of them would be lost). Then `check_rewards` calls each user function once, on placeholder
+completions for the first prompts of the data, and refuses one that raises or returns anything but one finite
+number per completion (None, NaN, a string, the wrong count), naming the function and what it returned.
 
 Built-ins (`REGISTRY`); the starred ones are *correctness* rewards (`correctness = True` on the function,
 which a user function may set too): `eval.reward` defaults to the first of them in the rewards list.
@@ -34,9 +45,10 @@ which a user function may set too): `eval.reward` defaults to the first of them 
 `resolve(cfg)` turns one RewardConfig into a callable with its kwargs bound — a built-in by name or
 a user function by 'module:function', imported with the spec's folder and the working directory on
 sys.path — and checks the kwargs fit the function's signature before any rollout. `check_rewards`
-resolves a whole list and the eval reward without torch: the spec validation calls it, so a typo costs
-milliseconds, not a model load. `RewardComputer(cfgs)` scores a batch: the weighted sum of all
-components, plus each component's raw values under its metric name (config.reward_component_names).
+resolves a whole list and the eval reward (by its metric name or its 'module:function'), and makes that trial
+call, without torch: the spec validation calls it, so a typo costs milliseconds, not a model load.
+`RewardComputer(cfgs)` scores a batch: the weighted sum of all components, plus each component's raw values
+under its metric name (config.reward_component_names).
 A wrong count, a non-number, NaN or inf fails the step naming the reward and the completion; a user
 function that raises fails it with a RewardError naming the reward.
 
@@ -101,6 +113,11 @@ def is_correctness(fn) -> bool:
 # Built-ins. Each checks its kwargs first, so resolve() can validate them with empty lists.
 
 
+def accepted(answer) -> list[str]:
+    """The accepted answers of a row: its answer, or each of a list of them."""
+    return [str(a) for a in answer] if isinstance(answer, (list, tuple)) else [str(answer)]
+
+
 @register("tag_answer", correctness=True)
 @register("exact_answer", correctness=True)
 def exact_answer(completions, answers, prompts, *, tag: str = "output") -> list[float]:
@@ -108,7 +125,7 @@ def exact_answer(completions, answers, prompts, *, tag: str = "output") -> list[
     out = []
     for text, answer in zip(completions, answers):
         content = tagged_content(text, tag)
-        out.append(1.0 if content is not None and content.strip() == answer.strip() else 0.0)
+        out.append(1.0 if content is not None and content.strip() in [a.strip() for a in accepted(answer)] else 0.0)
     return out
 
 
@@ -126,7 +143,7 @@ def regex_answer(completions, answers, prompts, *, pattern: str) -> list[float]:
     for text, answer in zip(completions, answers):
         m = rx.search(text)
         got = m.group(1) if m else None
-        out.append(1.0 if got is not None and got.strip() == answer.strip() else 0.0)
+        out.append(1.0 if got is not None and got.strip() in [a.strip() for a in accepted(answer)] else 0.0)
     return out
 
 
@@ -165,9 +182,10 @@ def numeric_answer(completions, answers, prompts, *, pick: str = "last", toleran
         raise ValueError(f"numeric_answer: tolerance={tolerance!r} must be a number >= 0")
     out = []
     for text, answer in zip(completions, answers):
-        want, found = _answer_number(answer, "numeric_answer"), numbers_in(text)
+        wants, found = [_answer_number(a, "numeric_answer") for a in accepted(answer)], numbers_in(text)
         got = (found[-1] if pick == "last" else found[0]) if found else None
-        out.append(1.0 if got is not None and math.isclose(got, want, rel_tol=1e-9, abs_tol=tolerance) else 0.0)
+        right = got is not None and any(math.isclose(got, w, rel_tol=1e-9, abs_tol=tolerance) for w in wants)
+        out.append(1.0 if right else 0.0)
     return out
 
 
@@ -189,15 +207,15 @@ def boxed_answer(completions, answers, prompts) -> list[float]:
     out = []
     for text, answer in zip(completions, answers):
         content = boxed_content(text)
-        if content is None:
-            out.append(0.0)
-            continue
-        got, want = numbers_in(content), numbers_in(answer)
-        if len(got) == 1 and len(want) == 1 and not re.search(r"[^\W\d_]", content + answer):
-            out.append(1.0 if math.isclose(got[0], want[0], rel_tol=1e-9) else 0.0)
-        else:
-            out.append(1.0 if "".join(content.split()) == "".join(answer.split()) else 0.0)
+        out.append(1.0 if content is not None and any(_boxed_equal(content, a) for a in accepted(answer)) else 0.0)
     return out
+
+
+def _boxed_equal(content: str, answer: str) -> bool:
+    got, want = numbers_in(content), numbers_in(answer)
+    if len(got) == 1 and len(want) == 1 and not re.search(r"[^\W\d_]", content + answer):
+        return math.isclose(got[0], want[0], rel_tol=1e-9)
+    return "".join(content.split()) == "".join(answer.split())
 
 
 @register("format")
@@ -266,7 +284,11 @@ def _load_user_function(spec: str, where: str) -> Callable:
         ) from e
     for part in attr_path.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"{where}.name={spec!r}: module {module_name!r} has no attribute {attr_path!r}; {hint}")
+            close = difflib.get_close_matches(part, [n for n in dir(obj) if not n.startswith("_")], n=1)
+            maybe = f"did you mean '{module_name}:{close[0]}'? " if close and part == attr_path else ""
+            raise ValueError(
+                f"{where}.name={spec!r}: module {module_name!r} has no attribute {attr_path!r}; {maybe}{hint}"
+            )
         obj = getattr(obj, part)
     if not callable(obj):
         raise ValueError(f"{where}.name={spec!r}: {attr_path!r} is a {type(obj).__name__}, not a function; {hint}")
@@ -321,6 +343,7 @@ def resolve(
                 f"{signature}: give {where}.kwargs only its keyword parameters, and name its "
                 "data parameters completions, answers, prompts (they are passed by name)"
             ) from None
+        _refuse_swallowed_kwargs(fn, signature, cfg, where)
     if name in REGISTRY:
         try:
             fn(completions=[], answers=[], prompts=[], **kwargs)  # built-ins validate their kwargs first
@@ -329,29 +352,81 @@ def resolve(
     return functools.partial(fn, **kwargs)
 
 
+def _refuse_swallowed_kwargs(fn, signature: inspect.Signature, cfg: RewardConfig, where: str) -> None:
+    """A function with **kwargs accepts any spec kwarg, a misspelt one too: one it neither names as a parameter
+    nor mentions in its docstring is refused (its **kwargs are for the data's columns)."""
+    params = signature.parameters.values()
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return
+    named = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    doc = inspect.getdoc(fn) or ""
+    for key in cfg.kwargs:
+        if key not in named and not re.search(rf"(?<![\w]){re.escape(key)}(?![\w])", doc):
+            close = difflib.get_close_matches(key, [n for n in named if n not in DATA_PARAMS], n=1)
+            maybe = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(
+                f"{where}.kwargs.{key}: {cfg.name!r} has no parameter {key!r}, and its **kwargs would swallow it "
+                f"unread; {maybe}give the function a parameter {key!r} (or mention {key!r} in its docstring if it "
+                "reads it from **kwargs)"
+            )
+
+
+DATA_PARAMS = ("completions", "answers", "prompts")
+
+
+def column_params(fn) -> tuple[frozenset[str], bool]:
+    """(the parameter names of a reward callable, whether it takes **kwargs): which data columns it receives."""
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    try:
+        params = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset(), False
+    names = frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    return names - set(DATA_PARAMS), any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
 component_names = reward_component_names  # metric names of the components (trainer/config.py)
 
 
-def accuracy_component(names: Sequence[str], fns: Sequence[Callable], eval_reward: str | None) -> str | None:
-    """The component eval/accuracy reads: eval.reward if set, else the first correctness reward, else None."""
+def accuracy_component(
+    names: Sequence[str], fns: Sequence[Callable], eval_reward: str | None, given: Sequence[str] = ()
+) -> str | None:
+    """The component eval/accuracy reads: eval.reward if set — a component's metric name, or a reward's name as the
+    rewards list gives it (`given`: 'module:function' too) — else the first correctness reward, else None."""
     if eval_reward is not None:
-        if eval_reward not in names:
+        if eval_reward in names:
+            return eval_reward
+        same = [n for n, g in zip(names, given) if g == eval_reward]
+        if len(same) == 1:
+            return same[0]
+        if same:
             raise ValueError(
-                f"eval.reward={eval_reward!r} is not one of the experiment's rewards "
-                f"({', '.join(names)}); name one of them, or leave eval.reward unset for the first "
-                "correctness reward"
+                f"eval.reward={eval_reward!r} names {len(same)} of the rewards; give the metric name of one "
+                f"({', '.join(same)})"
             )
-        return eval_reward
+        raise ValueError(
+            f"eval.reward={eval_reward!r} is not one of the experiment's rewards "
+            f"({', '.join(dict.fromkeys([*names, *given]))}); name one of them, or leave eval.reward unset for the "
+            "first correctness reward"
+        )
     return next((n for n, fn in zip(names, fns) if is_correctness(fn)), None)
 
 
 def check_rewards(
-    rewards: list[RewardConfig], eval_reward: str | None = None, spec_dir: str | Path | None = None
+    rewards: list[RewardConfig],
+    eval_reward: str | None = None,
+    spec_dir: str | Path | None = None,
+    data: tuple[Sequence, Sequence] | None = None,
+    group_size: int = 1,
 ) -> str | None:
-    """Resolve every reward (imports, kwargs) and eval.reward, as the run will, without torch; returns the
-    component eval/accuracy will read. With none (no correctness reward) it warns that eval/accuracy will not
-    be reported, once per spec. Raises ValueError naming the field."""
-    rc = RewardComputer(rewards, spec_dir=spec_dir)
+    """Resolve every reward (imports, kwargs) and eval.reward, as the run will, without torch; with `data` (the
+    (train, held-out) examples of trainer/data.py) also check the columns against the kwargs and call each user
+    function once on placeholder completions (`RewardComputer.trial`). Returns the component eval/accuracy will
+    read. With none (no correctness reward) it warns that eval/accuracy will not be reported, once per spec.
+    Raises ValueError naming the field."""
+    rc = RewardComputer(rewards, group_size=group_size, spec_dir=spec_dir)
+    if data is not None:
+        rc.trial(*data)
     name = rc.accuracy_name(eval_reward)
     if name is None:
         warnings.warn(
@@ -377,17 +452,24 @@ class RewardComputer:
         self.fns = [
             resolve(c, i, group_size=group_size, output_dir=output_dir, spec_dir=spec_dir) for i, c in enumerate(cfgs)
         ]
+        self.given = [c.name for c in cfgs]  # as the rewards list names them ('module:function' for user functions)
         self.user_defined = {n: c.name for n, c in zip(self.names, cfgs) if c.name not in REGISTRY}
+        self.group_size = group_size
+        self.takes = {
+            n: ((frozenset(), False) if c.name in REGISTRY else column_params(fn))
+            for n, c, fn in zip(self.names, cfgs, self.fns)
+        }  # the data columns each receives: built-ins none, a user function its own
         self.step_metrics: dict[str, float] = {}  # what reward objects' metrics() gave for the last batch
 
     def accuracy_name(self, eval_reward: str | None = None) -> str | None:
         """The component eval/accuracy reads (eval.reward, or the first correctness reward); None when the
         rewards hold no correctness reward: eval/accuracy is then not reported, eval/reward is the score."""
-        return accuracy_component(self.names, self.fns, eval_reward)
+        return accuracy_component(self.names, self.fns, eval_reward, self.given)
 
     def __call__(
-        self, completions: list[str], answers: list[str], prompts: list[str]
+        self, completions: list[str], answers: list, prompts: list, **columns: list
     ) -> tuple[list[float], dict[str, list[float]]]:
+        """Score a batch: `columns` are the data's other columns, one value per completion (data.reward_columns)."""
         if not len(completions) == len(answers) == len(prompts):
             raise ValueError(
                 f"rewards need one answer and one prompt per completion; got {len(completions)} "
@@ -397,25 +479,83 @@ class RewardComputer:
         per_component: dict[str, list[float]] = {}
         self.step_metrics = {}
         for name, weight, fn in zip(self.names, self.weights, self.fns):
-            try:
-                raw = fn(completions=list(completions), answers=list(answers), prompts=list(prompts))
-            except Exception as e:
-                if name not in self.user_defined:
-                    raise
-                raise RewardError(
-                    f"reward {name!r} ({self.user_defined[name]}) raised {type(e).__name__}: {e}; "
-                    f"fix the function (it was given {len(completions)} completions, answers and "
-                    "prompts)"
-                ) from e
-            values = _checked(name, raw, len(completions))
+            values = self._score(name, fn, completions, answers, prompts, columns)
             per_component[name] = values
             total = [t + weight * v for t, v in zip(total, values)]
             if callable(getattr(fn, "metrics", None)):
                 self.step_metrics.update(fn.metrics())
         return total, per_component
 
+    def _score(self, name: str, fn, completions, answers, prompts, columns: dict) -> list[float]:
+        params, takes_all = self.takes[name]
+        given = {k: list(v) for k, v in columns.items() if takes_all or k in params}
+        bound = fn.keywords if isinstance(fn, functools.partial) else {}
+        clash = next((k for k in given if k in bound), None)
+        if clash is not None:
+            i = self.names.index(name)
+            raise ValueError(
+                f"data column {clash!r} and rewards[{i}].kwargs.{clash} both give {self.given[i]!r} its {clash!r}; "
+                "rename the column or drop the kwarg"
+            )
+        try:
+            raw = fn(completions=list(completions), answers=list(answers), prompts=list(prompts), **given)
+        except Exception as e:
+            if name not in self.user_defined:
+                raise
+            raise RewardError(
+                f"reward {name!r} ({self.user_defined[name]}) raised {type(e).__name__}: {e}; "
+                f"fix the function (it was given {len(completions)} completions, answers and "
+                "prompts)"
+            ) from e
+        return _checked(name, raw, len(completions))
+
+    def trial(self, train: Sequence, held_out: Sequence = (), prompts: int = 2) -> None:
+        """Call each user function once, as a step and an eval will, on placeholder completions (the answer, an
+        empty text, the answer in tags, a sentence) for the first `prompts` examples of `train` (G = group_size
+        each) and of `held_out` (one each): a function that raises or returns anything but one finite number per
+        completion is refused naming it and what it returned, before any model loads. Built-ins are not called
+        (the judge would send requests)."""
+        batches = [(list(train[:prompts]), self.group_size, "data.source")]
+        if held_out:
+            batches.append((list(held_out[:prompts]), 1, "data.eval_path"))
+        for examples, repeat, field in batches:
+            if not examples:
+                continue
+            completions = [placeholder(e.answer, k * repeat + j) for k, e in enumerate(examples) for j in range(repeat)]
+            answers = [e.answer for e in examples for _ in range(repeat)]
+            prompts_ = [e.prompt for e in examples for _ in range(repeat)]
+            columns = {
+                k: [e.columns.get(k) for e in examples for _ in range(repeat)]
+                for k in dict.fromkeys(k for e in examples for k in e.columns)
+            }
+            for i, (name, fn) in enumerate(zip(self.names, self.fns)):
+                if name not in self.user_defined:
+                    continue
+                try:
+                    self._score(name, fn, completions, answers, prompts_, columns)
+                except Exception as e:
+                    named = "" if isinstance(e, RewardError) else f" ({self.given[i]})"
+                    raise ValueError(
+                        f"rewards[{i}]{named}: {e} — found by calling it once, before the model loads, on "
+                        f"{len(completions)} placeholder completions of the first {len(examples)} prompts of {field}"
+                    ) from None
+
+
+PLACEHOLDERS = ("{answer}", "", "<output>{answer}</output>", "I am not sure, sorry.", "The answer is {answer}.")
+
+
+def placeholder(answer, j: int) -> str:
+    """The j-th placeholder completion for a row with `answer` (its first accepted answer)."""
+    return PLACEHOLDERS[j % len(PLACEHOLDERS)].format(answer=accepted(answer)[0])
+
 
 def _checked(name: str, values, count: int) -> list[float]:
+    if isinstance(values, (str, bytes, dict)) or values is None:
+        shown = repr(values)
+        raise ValueError(
+            f"reward {name!r} returned {shown[:60] + '...' if len(shown) > 60 else shown} "
+            f"({type(values).__name__}), not a list; reward functions must return one float per completion ({count})"
+        )
     try:
         got = len(values)
     except TypeError:
