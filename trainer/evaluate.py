@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .config import DataConfig, EvalConfig
-from .data import Example, render_prompt
+from .data import Example, render_prompt, reward_columns
 from .samples import sample_rows
 
 
@@ -90,7 +90,9 @@ def evaluate_with_samples(
     texts, lengths, endings = generate(
         model, tokenizer, [e.prompt for e in examples], cfg.max_tokens, cfg.temperature, cfg.batch_size, data=data
     )
-    total, parts = rewards(texts, [e.answer for e in examples], [e.prompt for e in examples])
+    total, parts = rewards(
+        texts, [e.answer for e in examples], [e.prompt for e in examples], **reward_columns(examples)
+    )
     accuracy_name = rewards.accuracy_name(cfg.reward)
     accuracy = parts[accuracy_name] if accuracy_name is not None else None
     out = {"eval/reward": sum(total) / len(total), "eval/mean_length": sum(lengths) / len(lengths)}

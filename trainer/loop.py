@@ -48,7 +48,7 @@ from transformers import set_seed
 from . import checkpoint as ckpt
 from .advantages import compute_advantages
 from .config import InputError, TrainerConfig
-from .data import PromptSampler, data_fingerprint, load_datasets, render_prompt
+from .data import PromptSampler, data_fingerprint, load_datasets, render_prompt, reward_columns
 from .evaluate import evaluate_with_samples
 from .health import HealthGate, batch_health, hacking_signals
 from .logprobs import completion_logprobs
@@ -232,7 +232,7 @@ class GRPOTrainer:
         texts = [c.text for c in completions]
         answers = [e.answer for e in examples for _ in range(g.num_generations)]
         prompts = [e.prompt for e in examples for _ in range(g.num_generations)]
-        total, parts = self.rewards(texts, answers, prompts)
+        total, parts = self.rewards(texts, answers, prompts, **reward_columns(examples, g.num_generations))
         t_reward = time.perf_counter()
 
         # 4. advantages
