@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 
 from flows.errors import UserError
 
@@ -62,6 +63,19 @@ def _pipeline_commands(command) -> None:
     p.add_argument(
         "--project-dir", default=".ballast", help="where the embedded stores are (for --resume without SPEC)"
     )
+    p.add_argument(
+        "--dryrun",
+        action="store_true",
+        help="check everything the run would refuse (as `ballast validate`) and stop, exit 0 or 2; with infra.compute: "
+        "skypilot, print the SkyPilot task the run would launch (secrets by name)",
+    )
+
+    p = command(
+        "validate",
+        "check a spec as `ballast run` would — spec, data, rewards (user functions called once), model, device — "
+        "in seconds, without torch or running anything (exit 0; 2 with the problem in one line)",
+    )
+    _spec(p)
 
     p = command("quickstart", "the pipeline on examples/quickstart.yaml, nothing to configure")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
@@ -246,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     for stream in (sys.stdout, sys.stderr):  # piped (tee, CI logs): every line as it is written, not per 8 KB block
         if not stream.isatty() and hasattr(stream, "reconfigure"):
             stream.reconfigure(line_buffering=True)
+    warnings.formatwarning = _one_line_warning
     for noisy in ("mlflow", "alembic", "httpx", "botocore", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
@@ -269,6 +284,12 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `ballast spec-schema | head`: the reader left; stop quietly, as a SIGPIPE'd tool does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit flush must not raise again
         return 141
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """A warning as one line, `warning: ...` (not Python's `file:line: UserWarning:` and the source line under it)."""
+    kind = "" if category is UserWarning else f"{category.__name__}: "
+    return f"warning: {kind}{' '.join(str(message).split())}\n"
 
 
 class Terminated(KeyboardInterrupt):

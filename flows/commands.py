@@ -21,9 +21,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def cmd_run(args) -> int:
-    from tasks.spec import load_spec
+    from tasks.spec import check_runnable, load_spec
 
     if args.resume:
+        if args.dryrun:
+            raise UserError(
+                f"--dryrun checks a SPEC before a new run; run {args.resume} was checked when it started (resume it "
+                f"with `ballast run --resume {args.resume}`)"
+            )
         if args.set:
             raise UserError(
                 f"--set cannot change run {args.resume} on --resume (it runs its own spec.yaml); resume it "
@@ -38,10 +43,14 @@ def cmd_run(args) -> int:
             return 0
         _refuse_changed_resume(args, resumed)
         _check_resume(resumed, spec_path.parent)
+        check_runnable(resumed)
         project_dir = resumed.project_dir
     elif args.spec:
         checked = load_spec(args.spec, args.set)  # a bad spec fails here, in about a second
+        check_runnable(checked)  # the model is here (or buildable), the device exists: one line, before Prefect
         _check_fork(checked)
+        if args.dryrun:
+            return _validated(checked, args.spec)
         project_dir, spec, overrides = checked.project_dir, str(Path(args.spec).resolve()), args.set
     else:
         raise UserError("give an experiment SPEC to run, or --resume RUN_ID to continue a run")
@@ -92,6 +101,53 @@ def _check_fork(spec) -> None:
     except (ValueError, FileNotFoundError) as e:  # the run id is not in the tracking store, the path is not there
         given = f"fork.run_id={spec.fork.run_id}" if spec.fork.run_id else f"fork.checkpoint={spec.fork.checkpoint}"
         raise UserError(f"fork source {given}: {e}") from None
+
+
+def cmd_validate(args) -> int:
+    """`ballast validate SPEC`: what `ballast run` would refuse before it starts — the spec, its data, its rewards
+    (each user function called once on placeholder completions), the model's source and the device — refused the
+    same way (one line, exit 2) in seconds, without torch; on success, what the run would do (exit 0). A fork
+    source is checked too, which imports torch and reads the tracking store."""
+    from tasks.spec import check_runnable, load_spec
+
+    spec = load_spec(args.spec, args.set)
+    check_runnable(spec)
+    _check_fork(spec)
+    return _validated(spec, args.spec)
+
+
+def _validated(spec, path: str) -> int:
+    """The few lines that say what a checked spec will run (validate, run --dryrun)."""
+    from trainer.config import reward_component_names
+    from trainer.data import load_datasets
+    from trainer.locate import in_hf_cache
+    from trainer.rewards import RewardComputer
+
+    m = spec.model
+    where = Path(m.name_or_path).expanduser()
+    if (where / "config.json").is_file():
+        source = "a local model directory"
+    elif m.build_if_missing or m.gguf_file:
+        source = f"built on first use from {m.build_if_missing or m.gguf_file}"
+    else:
+        source = "in the Hugging Face cache" if in_hf_cache(m.name_or_path) else "to be downloaded (HF_HUB_OFFLINE=0)"
+    train, held_out = load_datasets(spec.data)
+    columns = list(dict.fromkeys(k for e in train for k in e.columns))
+    names = reward_component_names(spec.rewards)
+    accuracy = RewardComputer(spec.rewards, group_size=spec.grpo.num_generations).accuracy_name(spec.eval.reward)
+    g = spec.grpo
+    print(f"{path}: valid — spec, data, rewards, model and device checked; nothing was run")
+    print(f"  model     {m.name_or_path} ({source}), device {m.device}")
+    print(
+        f"  data      {spec.data.source}: {len(train)} training prompts, {len(held_out)} held out"
+        + (f"; columns for the rewards: {', '.join(columns)}" if columns else "")
+    )
+    print(
+        f"  rewards   {', '.join(f'{n} x{r.weight:g}' for n, r in zip(names, spec.rewards))}; eval/accuracy reads "
+        f"{accuracy or 'none (eval/reward is the score)'}"
+    )
+    print(f"  training  {spec.optim.steps} steps of {g.prompts_per_step} prompts x {g.num_generations} completions")
+    return 0
 
 
 def cmd_quickstart(args) -> int:
@@ -204,11 +260,12 @@ def _print_result(result, project_dir: str) -> None:
 
 
 def cmd_train(args) -> int:
-    from tasks.spec import dump_spec, load_spec
+    from tasks.spec import check_runnable, dump_spec, load_spec
 
     if args.steps is not None and args.steps < 1:
         raise UserError(f"--steps {args.steps}: give the run's total number of steps, 1 or more")
     spec = load_spec(args.spec, args.set + ([f"optim.steps={args.steps}"] if args.steps is not None else []))
+    check_runnable(spec)
     out = Path(args.output or Path(spec.project_dir) / "runs" / spec.name)
     if not args.resume and any((out / "checkpoints").glob("step-*")):
         raise UserError(
