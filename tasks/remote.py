@@ -28,6 +28,9 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field
 
 from infra.compute import (
     Compute,
@@ -297,6 +300,22 @@ def plan_skypilot(spec, tracking_uri: str, run_id: str, out_dir: Path) -> SkyPla
     plan = sky_plan(spec.infra, name, spec_file, " ".join(command), vllm=vllm)  # safe words; `~` must expand
     sky_task(plan.task_config())  # SkyPilot's schema: an invalid field fails here, before anything is provisioned
     return plan
+
+
+class NodeChoice(BaseModel):
+    """Where a run's GPU stages run, as a Prefect Run form asks it (the `ballast-pipeline` deployment); each field
+    set becomes an `infra.*` override of the spec."""
+
+    compute: Literal["here", "local", "skypilot"] | None = Field(
+        None, description="here: in the flow's process; local: a stage process here; skypilot: a SkyPilot node"
+    )
+    accelerators: str | None = Field(None, description="SkyPilot accelerators, e.g. H100:1 or H200:2")
+    use_spot: bool | None = Field(None, description="spot instances, preemptions recovered from the store's checkpoint")
+    cloud: str | None = Field(None, description="k8s, aws, gcp, aws/us-east-1, ...; default: the cheapest enabled")
+    num_nodes: int | None = Field(None, ge=1, description="nodes for the job")
+
+    def overrides(self) -> list[str]:
+        return [f"infra.{k}={json.dumps(v)}" for k, v in self.model_dump(exclude_none=True).items()]
 
 
 def check_compute(spec) -> None:
