@@ -174,6 +174,10 @@ def _sweep_commands(command) -> None:
         help="trials at once on this machine, as worker processes sharing the storage (0: create the study only)",
     )
     p.add_argument("--storage", help="Optuna storage URL (default sqlite:///<project_dir>/optuna.db; postgresql://...)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP + ", on the base spec")
+    p.add_argument(
+        "--timeout", type=float, metavar="SECONDS", help="wall-time budget: no trial starts after it (one running ends)"
+    )
 
     p = command(
         "sweep-worker", "join an existing sweep's study and run its trials (from any machine that reaches the storage)"

@@ -534,14 +534,21 @@ def cmd_sweep(args) -> int:
         raise UserError(f"--trials {args.trials}: give 1 or more (the study's total of finished trials)")
     if args.workers < 0:
         raise UserError(f"--workers {args.workers}: give 0 (create the study only), 1, or more")
+    if args.timeout is not None and args.timeout <= 0:
+        raise UserError(f"--timeout {args.timeout:g}: give a number of seconds above 0")
     _check_storage_flag(args.storage)
-    sweep = load_sweep(args.file)  # a bad sweep file fails here, before any study or run exists
+    sweep = load_sweep(args.file, args.set)  # a bad sweep file or --set fails here, before any study or run exists
     runtime.prestart(base_spec(sweep).get("project_dir", ".ballast"))
     from flows.sweep import ballast_sweep
 
     runtime.wait_until_started()  # a flow that starts before the ephemeral server answers finds no API
     result = ballast_sweep(
-        str(Path(args.file).resolve()), trials=args.trials, workers=args.workers, storage=args.storage
+        str(Path(args.file).resolve()),
+        trials=args.trials,
+        workers=args.workers,
+        storage=args.storage,
+        overrides=list(args.set),
+        timeout_s=args.timeout,
     )
     if result is None:  # --workers 0: the study was created, the join command printed
         return 0

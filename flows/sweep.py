@@ -2,15 +2,22 @@
 
     ballast sweep examples/sweep.yaml                         # create or resume the study, run it here
     ballast sweep examples/sweep.yaml --trials 20 --workers 2 # 2 worker processes on this machine
+    ballast sweep examples/sweep.yaml --timeout 600 --set optim.steps=12   # a wall-time budget; base spec override
     ballast sweep FILE --storage postgresql://user@host/db --workers 0    # create only; print the join command
     ballast sweep-worker --study NAME --storage URL           # join a study from any machine
 
-`ballast-sweep` opens the study (sweeps/study.py) and the MLflow parent run, runs the worker loop here (or starts
+`ballast-sweep` opens the study (sweeps/study.py) and the MLflow parent run, measures the baseline once — the base
+model (or fork source) on the trials' held-out set with their eval settings (sweeps/baseline.py), stored on the
+study and the parent run — then runs the worker loop here (or starts
 K `ballast sweep-worker` processes sharing the storage) and writes the summary. `ballast-sweep-worker` is one
 process's worker loop; on other machines it grows a sweep past one node through Optuna's RDB storage. Each trial
 is the pipeline flow (flows/pipeline.py) as a subflow, with the trial's pruning callbacks. Storage: SQLite under
 the project folder by default (a couple of local workers), PostgreSQL for many; keep the password out of the URL
 (PGPASSWORD or ~/.pgpass) — it is a flow parameter and is printed.
+
+The terminal shows one progress line per trial (step, reward, held-out score at eval points, ETA; rewritten in
+place on a terminal, every few steps in a log) and, after each trial, its outcome and the sweep's: trials done,
+best so far against the baseline.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -28,7 +36,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
 
 from flows.pipeline import run_pipeline
-from sweeps.report import SweepSummary, format_values, plot_study, summarize
+from sweeps.baseline import BASELINE_ATTR, Baseline, load_baseline
+from sweeps.report import SweepSummary, describe_gain, format_values, plot_study, summarize, trial_row
 from sweeps.space import base_spec, load_sweep
 from sweeps.study import (
     TRIALS_ATTR,
@@ -43,21 +52,113 @@ from sweeps.study import (
     run_trial,
     target,
 )
+from tasks.eval import eval_baseline
+from tasks.fork import fork
 from tasks.record import SweepRecorder
 from tasks.spec import validate_spec
 from tasks.train import RunInterrupted
+from trainer.loop import Callbacks
 
 CLI = "import sys; from flows.cli import main; sys.exit(main())"
 
 
-def run_worker(study, sweep, recorder: SweepRecorder, label: str = "") -> list[int]:
-    """This process's share of the study: trials until the study has its total."""
+# ------------------------------------------------------------------------------------------ the baseline
+
+
+def measure_baseline(sweep, recorder: SweepRecorder) -> Baseline:
+    """The base model's (or fork source's) held-out scores with the trials' eval settings."""
+    spec = validate_spec(base_spec(sweep), "sweep base spec")
+    started = time.perf_counter()
+    source = fork(spec, recorder.tracking.checkpoint_prefix)
+    cache = Path(spec.project_dir).resolve() / "cache" / "sweeps" / sweep.study_name
+    result = eval_baseline(spec, source, cache)
+    return Baseline(result.checkpoint_uri, result.metrics, result.per_prompt, time.perf_counter() - started)
+
+
+baseline_task = task(measure_baseline, name="baseline", cache_policy=NO_CACHE, persist_result=False)
+
+
+def ensure_baseline(study, sweep, recorder: SweepRecorder, label: str = "") -> Baseline:
+    """The study's baseline, measured once (before its first trial) and stored on the study and the parent run."""
+    baseline = load_baseline(study)
+    if baseline is None:
+        print(f"{label}baseline: scoring {_source_name(sweep)} on the trials' held-out set ...", flush=True)
+        baseline = baseline_task(sweep, recorder)
+        study.set_user_attr(BASELINE_ATTR, baseline.to_json())
+        recorder.record_baseline(baseline)
+        print(f"{label}{baseline_line(baseline, sweep)} ({baseline.seconds:.0f} s)", flush=True)
+    return baseline
+
+
+def _source_name(sweep) -> str:
+    spec = base_spec(sweep)
+    f = spec.get("fork") or {}
+    if f.get("run_id") or f.get("checkpoint"):
+        return f"the fork source {f.get('run_id') or f.get('checkpoint')}"
+    return f"the base model {spec['model']['name_or_path']}"
+
+
+def baseline_line(baseline: Baseline, sweep) -> str:
+    key = sweep.objectives[0].key
+    n = len(next(iter(baseline.per_prompt.values()), []))
+    if baseline.score(key) is None:
+        return f"baseline: {baseline.source} (objective {key} is not a held-out score: no baseline to beat)"
+    return (
+        f"baseline: {key} {baseline.score(key):.3g} ± {1.96 * (baseline.stderr_of(key) or 0):.2g} for "
+        f"{baseline.source} ({n} held-out prompts)"
+    )
+
+
+# ------------------------------------------------------------------------------------------ progress
+
+
+class TrialProgress(Callbacks):
+    """One line per trial while it trains: step, reward, the last held-out score, ETA. Rewritten in place on a
+    terminal; in a log (Prefect, a pipe) a line every `every` steps and at each eval point."""
+
+    def __init__(self, number: int, steps: int, label: str = "", every: int = 4):
+        self.number, self.steps, self.label, self.every = number, steps, label, every
+        self.started, self.eval_score = time.perf_counter(), None
+        self.tty = sys.stdout.isatty()
+
+    def on_step(self, step: int, metrics: dict[str, float]) -> None:
+        if step == 0:
+            return
+        evaluated = "eval/reward" in metrics
+        if evaluated:
+            self.eval_score = metrics["eval/reward"]
+        rate = (time.perf_counter() - self.started) / step
+        eta = rate * (self.steps - step)
+        parts = [f"{self.label}  trial {self.number}: step {step}/{self.steps}"]
+        if "reward" in metrics:
+            parts.append(f"reward {metrics['reward']:.3f}")
+        if self.eval_score is not None:
+            parts.append(f"eval/reward {self.eval_score:.3f}")
+        parts.append(f"ETA {eta:.0f} s")
+        line = ", ".join(parts)
+        if self.tty:
+            print("\r" + line.ljust(100), end="" if step < self.steps else "\n", flush=True)
+        elif evaluated or step % self.every == 0 or step == self.steps:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print("\r" + " " * 100 + "\r", end="", flush=True)
+
+
+# ------------------------------------------------------------------------------------------ trials
+
+
+def run_worker(study, sweep, recorder: SweepRecorder, label: str = "", timeout_s: float | None = None):
+    """This process's share of the study: trials until the study has its total (or the time budget is spent)."""
+    started = time.perf_counter()
 
     def run_fn(spec, callbacks, trial):
+        progress = TrialProgress(trial.number, spec.optim.steps, label)
         try:
             return run_pipeline(
                 spec.model_dump(mode="json"),
-                callbacks=[callbacks],
+                callbacks=[callbacks, progress],
                 parent_run_id=recorder.parent_run_id,
                 tags=recorder.trial_tags(trial.number, dict(trial.params)),
                 progress=False,
@@ -65,19 +166,40 @@ def run_worker(study, sweep, recorder: SweepRecorder, label: str = "") -> list[i
             )
         except RunInterrupted as stop:  # SIGTERM / Ctrl-C stop the sweep, not only this trial
             raise KeyboardInterrupt(str(stop)) from stop
+        finally:
+            progress.close()
 
     def on_trial(st, frozen) -> None:
         recorder.record_trial(st, frozen)
         print(label + trial_line(frozen), flush=True)
+        print(label + sweep_line(st, sweep, time.perf_counter() - started), flush=True)
 
-    report = optimize(
+    return optimize(
         study,
         lambda trial: run_trial(trial, sweep, run_fn),
         callbacks=[on_trial],
         max_consecutive_failures=sweep.max_consecutive_failures,
         log=lambda m: print(label + m, flush=True),
+        timeout_s=timeout_s,
     )
-    return report.ran
+
+
+def sweep_line(study, sweep, elapsed: float) -> str:
+    """'sweep: 4 of 10 trials done (1 pruned) in 3.2 min; best so far: trial 2, eval/reward 0.71 vs 0.61 ...'."""
+    done = n_done(study)
+    pruned = sum(1 for t in study.get_trials(deepcopy=False) if t.state.name == "PRUNED")
+    head = f"sweep: {done} of {target(study)} trials done ({pruned} pruned) in {elapsed / 60:.1f} min"
+    complete = [t for t in study.get_trials(deepcopy=False) if t.state.name == "COMPLETE"]
+    if not complete or len(sweep.objectives) > 1:
+        return head
+    key, sign = sweep.objectives[0].key, 1 if sweep.objectives[0].direction == "maximize" else -1
+    top = trial_row(max(complete, key=lambda t: sign * t.value), sweep)
+    if top.get("gain") is None:
+        return f"{head}; best so far: trial {top['number']} {format_values(top['values'])}"
+    if top.get("beats_baseline"):
+        return f"{head}; best so far: trial {top['number']}, {describe_gain(top, key)}"
+    closest = f"trial {top['number']}, {describe_gain(top, key)}"
+    return f"{head}; none beats the base model beyond noise yet (closest: {closest})"
 
 
 def trial_line(frozen) -> str:
@@ -88,6 +210,9 @@ def trial_line(frozen) -> str:
             for k, v in frozen.user_attrs.items()
             if k.startswith("objective/")
         )
+        if frozen.user_attrs.get("gain") is not None:
+            a = frozen.user_attrs
+            what += f" ({a['gain']:+.2g} ± {1.96 * a['gain_stderr']:.2g} over the base model)"
     elif frozen.state.name == "PRUNED":
         what = frozen.user_attrs.get("prune_reason", "")
     else:
@@ -150,13 +275,14 @@ def spawn_workers(study_name: str, storage_url: str, k: int) -> list[int]:
         raise
 
 
-def write_summary(study, sweep, recorder: SweepRecorder, storage_url: str) -> SweepSummary:
+def write_summary(study, sweep, recorder: SweepRecorder, storage_url: str, timed_out: bool = False) -> SweepSummary:
     """Best trial / Pareto set, importances, plots, summary.html/json; logged to the parent run."""
     out_dir = Path(recorder.tracking.spec.project_dir).resolve() / "sweeps" / study.study_name
     summary = summarize(study, sweep)
     summary.plots, summary.plots_skipped = plot_study(study, sweep, out_dir / "plots")
     summary.storage, summary.n_trials = redact_url(storage_url), target(study)
-    summary.done, summary.parent_run_id = n_done(study) >= target(study), recorder.parent_run_id
+    summary.done, summary.parent_run_id = n_done(study) >= target(study) or timed_out, recorder.parent_run_id
+    summary.timed_out = timed_out
     summary.dashboard = f"optuna-dashboard {redact_url(storage_url)}   (pip install optuna-dashboard)"
     summary.run_url_template = recorder.tracking.run_url("{run_id}")  # each trial's MLflow run, linked on the page
     summary.write(out_dir)
@@ -169,9 +295,14 @@ summary_task = task(write_summary, name="sweep-summary", cache_policy=NO_CACHE, 
 
 @flow(name="ballast-sweep", persist_result=False)
 def ballast_sweep(
-    sweep_path: str = "examples/sweep.yaml", trials: int | None = None, workers: int = 1, storage: str | None = None
+    sweep_path: str = "examples/sweep.yaml",
+    trials: int | None = None,
+    workers: int = 1,
+    storage: str | None = None,
+    overrides: list[str] | None = None,
+    timeout_s: float | None = None,
 ) -> SweepSummary | None:
-    sweep = load_sweep(sweep_path)
+    sweep = load_sweep(sweep_path, overrides or [])
     url = storage or sweep.storage or default_storage(base_spec(sweep).get("project_dir", ".ballast"))
     study, recorder = open_sweep(sweep, url, trials, worker=0)
     print(
@@ -182,9 +313,11 @@ def ballast_sweep(
     if workers == 0:
         print(f"study created; join it with:  ballast sweep-worker --study {study.study_name} --storage {url}")
         return None
+    timed_out = False
     try:
+        ensure_baseline(study, sweep, recorder)
         if workers == 1:
-            run_worker(study, sweep, recorder)
+            timed_out = run_worker(study, sweep, recorder, timeout_s=timeout_s).timed_out
         elif any(codes := spawn_workers(study.study_name, url, workers)):
             print(f"worker exit codes: {codes}")
     except SweepWorkerError:
@@ -193,7 +326,7 @@ def ballast_sweep(
     except BaseException:
         recorder.interrupted()
         raise
-    return summary_task(study, sweep, recorder, url)
+    return summary_task(study, sweep, recorder, url, timed_out)
 
 
 @flow(name="ballast-sweep-worker", persist_result=False)
@@ -208,6 +341,7 @@ def ballast_sweep_worker(
     recorder.join(st)
     if trials is not None:
         st.set_user_attr(TRIALS_ATTR, int(trials))
+    ensure_baseline(st, sweep, recorder, label=f"[worker {worker}] ")  # created with --workers 0: not measured yet
     run_worker(st, sweep, recorder, label=f"[worker {worker}] ")
     if summary and n_done(st) >= target(st):
         return summary_task(st, sweep, recorder, storage)

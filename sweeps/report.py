@@ -1,16 +1,20 @@
-"""What a sweep found: the best trial (or the Pareto set), parameter importances, where the steps
-went, and the plots — computed from the study alone, so any worker (or a later `ballast sweep`) can
-write it. `SweepSummary` is the typed result flows/sweep.py returns; tasks/record.py logs it to the sweep's
-MLflow parent run; its page is tasks/templates/sweep_summary.html.
+"""What a sweep found, read against its baseline: the best trial that beats the base model beyond noise (or the
+Pareto set), what pruning saved, parameter importances and the plots — computed from the study alone, so any worker
+(or a later `ballast sweep`) can write it. `SweepSummary` is the typed result flows/sweep.py returns;
+tasks/record.py logs it to the sweep's MLflow parent run; its page is tasks/templates/sweep_summary.html.
 
-- Importances are fANOVA's (Optuna's default) over COMPLETE trials; with fewer than two, or when
-  every completed trial had the same values, there is nothing to apportion and `importances` holds
-  the reason instead of numbers.
-- Plots (optuna.visualization.matplotlib, PNG): optimisation history, parallel coordinates,
-  objective vs each parameter (slice), importances, and the Pareto front for two objectives, each
-  only once it means something (two completed trials to compare; intermediate values only when a
-  trial reported two or more, its y axis named for the metric reported). A plot not drawn is listed
-  under `plots_skipped` with the reason.
+- **Relative.** The study holds the baseline (sweeps/baseline.py); every trial row holds its score, gain and the
+  gain's uncertainty. "best" is only said of a COMPLETE trial whose gain is beyond noise; otherwise the summary
+  says "no trial beat the base model beyond noise" and names the closest.
+- **Pruning's saving** is counted in trial-steps (one GRPO step of one trial): each pruned trial's planned steps
+  minus the steps it ran, against the steps every trial would have run to its end.
+- **One importance ranking**: fANOVA's (Optuna's default) over COMPLETE trials, only from MIN_IMPORTANCE_TRIALS
+  completed trials on (fewer points than that apportion noise), and labelled with the count it came from.
+- **Plots** (matplotlib PNG, drawn here so that they show what a sweep is for): score per trial, parallel
+  coordinates and score against each parameter with every trial — collapsed and pruned ones in their own colours,
+  log axes for log-scaled parameters, the baseline (and its 95 % band) on every score axis — the intermediate
+  values each trial reported, and Optuna's Pareto front for two objectives. A plot not drawn is listed under
+  `plots_skipped` with the reason.
 """
 
 from __future__ import annotations
@@ -32,7 +36,12 @@ from optuna.visualization import matplotlib as vis  # noqa: E402
 
 from tasks.pages import render_page  # noqa: E402
 
+from .baseline import Z95, load_baseline  # noqa: E402
 from .space import SweepSpec  # noqa: E402
+
+MIN_COMPLETE = 2  # completed trials a comparison plot needs
+MIN_IMPORTANCE_TRIALS = 8  # completed trials before importances are computed (fANOVA over fewer apportions noise)
+COLOURS = {"COMPLETE": "#0969da", "collapsed": "#cf222e", "pruned": "#bc4c00", "FAIL": "#6e7781"}
 
 
 @dataclass
@@ -57,6 +66,12 @@ class SweepSummary:
     plots_skipped: dict[str, str] = field(default_factory=dict)
     html: str = ""
     run_url_template: str = ""  # a trial's MLflow run page, with '{run_id}' to fill in
+    baseline: dict | None = None  # {source, metrics}: what the trials are read against (sweeps/baseline.py)
+    closest: dict | None = None  # no trial beat the baseline beyond noise: the best-scoring COMPLETE trial
+    planned_steps: int = 0  # trial-steps had every trial run to its end
+    steps_saved: int = 0  # planned_steps - trial_steps: what pruning saved
+    min_importance_trials: int = MIN_IMPORTANCE_TRIALS
+    timed_out: bool = False  # the --timeout budget ended the sweep
 
     @property
     def n_complete(self) -> int:
@@ -74,25 +89,71 @@ class SweepSummary:
         (out_dir / "summary.json").write_text(json.dumps(self.to_dict(), indent=1, default=str))
         self.html = str(render_page("sweep_summary.html", out_dir / "summary.html", s=self, fmt=format_value))
 
+    @property
+    def objective_key(self) -> str:
+        return self.objective_keys[0]
+
+    def baseline_score(self) -> float | None:
+        return (self.baseline or {}).get("metrics", {}).get(self.objective_key)
+
+    def baseline_line(self) -> str | None:
+        b = self.baseline
+        if not b:
+            return None
+        score, se = b["metrics"].get(self.objective_key), b["metrics"].get(f"{self.objective_key}_stderr")
+        if score is None:
+            return None
+        ci = f" ± {Z95 * se:.2g}" if se is not None else ""
+        return f"baseline: {self.objective_key} {score:.3g}{ci} for {b['source']}"
+
+    def verdict_line(self) -> str | None:
+        """'best: trial 7, eval/accuracy 0.61 vs 0.29 for the base model (+0.32 ± 0.06)', or why there is none."""
+        if self.best and self.best.get("gain") is not None:
+            return f"best: trial {self.best['number']}, {describe_gain(self.best, self.objective_key)}"
+        if self.best:
+            return f"best: trial {self.best['number']} {format_values(self.best['values'])}"
+        if self.closest:
+            return (
+                f"no trial beat the base model beyond noise; closest: trial {self.closest['number']}, "
+                f"{describe_gain(self.closest, self.objective_key)}"
+            )
+        return None
+
+    def pruning_line(self) -> str:
+        pct = f" ({self.steps_saved / self.planned_steps:.0%})" if self.planned_steps else ""
+        return (
+            f"pruning: {self.pruned_by_health_gate} trials collapsed and were pruned, {self.pruned_by_pruner} stopped "
+            f"by the pruner; saved {self.steps_saved} of {self.planned_steps} trial-steps{pct} against running "
+            "every trial to its end"
+        )
+
     def lines(self) -> list[str]:
         states = ", ".join(f"{n} {k.lower()}" for k, n in sorted(self.states.items())) or "no trials"
-        out = [
-            f"sweep {self.study}: {states}; {self.trial_steps} trial-steps; {self.pruned_by_health_gate} pruned "
-            f"by the health gate, {self.pruned_by_pruner} by the pruner"
-        ]
+        ended = " (ended by its --timeout)" if self.timed_out else ""
+        out = [f"sweep {self.study}: {states}; {self.trial_steps} trial-steps{ended}"]
+        if line := self.baseline_line():
+            out.append(line)
+        if line := self.verdict_line():
+            out.append(line)
         if self.best:
-            out.append(
-                f"best: trial {self.best['number']} {format_values(self.best['values'])} with "
-                f"{format_values(self.best['params'])} (MLflow run {self.best['mlflow_run_id']})"
-            )
+            out.append(f"  with {format_values(self.best['params'])} (MLflow run {self.best['mlflow_run_id']})")
         for row in self.pareto:
             out.append(
                 f"Pareto: trial {row['number']} {format_values(row['values'])} with {format_values(row['params'])}"
             )
         if not self.n_complete:
             out.append("no trial completed: every trial was pruned or failed — read the prune reasons in the summary")
+        out.append(self.pruning_line())
         out += [f"summary:     {self.html}", f"dashboard:   {self.dashboard}"]
         return out
+
+
+def describe_gain(row: dict, key: str) -> str:
+    """'eval/reward 0.71 vs 0.61 for the base model (+0.10 ± 0.05)' from a trial row with a gain."""
+    return (
+        f"{key} {row['score']:.3g} vs {row['score'] - row['gain']:.3g} for the base model "
+        f"({row['gain']:+.2g} ± {Z95 * row['gain_stderr']:.2g})"
+    )
 
 
 def trial_row(t: optuna.trial.FrozenTrial, sweep: SweepSpec) -> dict:
@@ -109,6 +170,11 @@ def trial_row(t: optuna.trial.FrozenTrial, sweep: SweepSpec) -> dict:
         "not_counted": t.user_attrs.get("not_counted"),
         "mlflow_run_id": t.user_attrs.get("mlflow_run_id"),
         "worker": t.user_attrs.get("worker"),
+        "score": t.user_attrs.get("score"),
+        "gain": t.user_attrs.get("gain"),
+        "gain_stderr": t.user_attrs.get("gain_stderr"),
+        "beats_baseline": t.user_attrs.get("beats_baseline"),
+        "planned_steps": t.user_attrs.get("planned_steps"),
         "seconds": (t.datetime_complete - t.datetime_start).total_seconds()
         if t.datetime_complete and t.datetime_start
         else None,
@@ -121,19 +187,35 @@ def summarize(study: optuna.Study, sweep: SweepSpec) -> SweepSummary:
     by_state: dict[str, int] = {}
     for t in trials:
         by_state[t.state.name] = by_state.get(t.state.name, 0) + 1
+    done = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    spent = sum(int(t.user_attrs.get("last_step") or 0) for t in trials)
+    planned = sum(int(t.user_attrs.get("planned_steps") or t.user_attrs.get("last_step") or 0) for t in done)
+    ran = sum(int(t.user_attrs.get("last_step") or 0) for t in done)
+    baseline = load_baseline(study)
     out = SweepSummary(
         study=study.study_name,
         objectives=[o.model_dump() for o in sweep.objectives],
         objective_keys=[o.key for o in sweep.objectives],
         states=by_state,
-        trial_steps=sum(int(t.user_attrs.get("last_step") or 0) for t in trials),
+        trial_steps=spent,
         pruned_by_health_gate=sum(1 for t in trials if t.user_attrs.get("pruned_by") == "health_gate"),
         pruned_by_pruner=sum(1 for t in trials if t.user_attrs.get("pruned_by") == "pruner"),
         trials=[trial_row(t, sweep) for t in trials],
         importances=importances(study, sweep),
+        baseline={"source": baseline.source, "metrics": baseline.metrics} if baseline else None,
+        planned_steps=planned,
+        steps_saved=planned - ran,
     )
     if len(sweep.objectives) == 1:
-        out.best = trial_row(study.best_trial, sweep) if complete else None
+        if complete and "gain" in study.best_trial.user_attrs:  # relative: only a trial beyond noise is "best"
+            sign = 1 if sweep.objectives[0].direction == "maximize" else -1
+            winners = [t for t in complete if t.user_attrs.get("beats_baseline")]
+            if winners:
+                out.best = trial_row(max(winners, key=lambda t: sign * t.value), sweep)
+            else:
+                out.closest = trial_row(study.best_trial, sweep)
+        elif complete:
+            out.best = trial_row(study.best_trial, sweep)
     else:
         out.pareto = [trial_row(t, sweep) for t in study.best_trials] if complete else []
     return out
@@ -142,9 +224,13 @@ def summarize(study: optuna.Study, sweep: SweepSpec) -> SweepSummary:
 def importances(study: optuna.Study, sweep: SweepSpec) -> dict:
     """{objective key: {param: importance}}, or {'skipped': reason}."""
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-    if len(complete) < 2:
-        return {"skipped": f"{len(complete)} completed trial(s); importances need at least 2"}
-    out = {}
+    if len(complete) < MIN_IMPORTANCE_TRIALS:
+        return {
+            "skipped": f"{len(complete)} completed trial{'s' * (len(complete) != 1)}; importances are computed from "
+            f"{MIN_IMPORTANCE_TRIALS} on (fewer points apportion noise)",
+            "n_complete": len(complete),
+        }
+    out: dict = {"n_complete": len(complete)}
     for i, o in enumerate(sweep.objectives):
         values = {t.values[i] for t in complete}
         if len(values) < 2:
@@ -163,22 +249,27 @@ def importances(study: optuna.Study, sweep: SweepSpec) -> dict:
 def plot_study(study: optuna.Study, sweep: SweepSpec, out_dir: Path) -> tuple[list[Path], dict[str, str]]:
     """PNG plots of the study; returns (paths, {plot: why skipped})."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    first = sweep.objectives[0]
-    target = (lambda t: t.values[0]) if len(sweep.objectives) > 1 else None
-    name = first.key
+    trials = [t for t in study.get_trials(deepcopy=False) if t.state != TrialState.RUNNING]
+    key = sweep.objectives[0].key
+    rows = [_plot_row(t, sweep) for t in trials if t.state.name != "FAIL"]
+    scored = [r for r in rows if r["score"] is not None]
+    n_complete = sum(1 for r in rows if r["kind"] == "COMPLETE")
+    baseline = load_baseline(study)
+    base = None
+    if baseline is not None and baseline.score(key) is not None:
+        base = (baseline.score(key), Z95 * (baseline.stderr_of(key) or 0.0))
     jobs = {
-        "optimization_history": lambda: vis.plot_optimization_history(study, target=target, target_name=name),
-        "parallel_coordinate": lambda: vis.plot_parallel_coordinate(study, target=target, target_name=name),
-        "slice": lambda: vis.plot_slice(study, target=target, target_name=name),
-        "intermediate_values": lambda: vis.plot_intermediate_values(study),
+        "optimization_history": lambda: _history(scored, key, base),
+        "parallel_coordinate": lambda: _parallel(scored, sweep, key, base),
+        "slice": lambda: _slice(scored, sweep, key, base),
+        "intermediate_values": lambda: _intermediate(trials, sweep, study, base),
     }
-    if "skipped" not in importances(study, sweep) and "skipped" not in importances(study, sweep).get(name, {}):
-        jobs["param_importances"] = lambda: vis.plot_param_importances(study, target=target, target_name=name)
     if len(sweep.objectives) == 2:
-        jobs["pareto_front"] = lambda: vis.plot_pareto_front(study, target_names=[o.key for o in sweep.objectives])
+        jobs["pareto_front"] = lambda: _figure_of(
+            vis.plot_pareto_front(study, target_names=[o.key for o in sweep.objectives])
+        )
     paths, skipped = [], {}
-    n_complete = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
-    reported = sum(1 for t in study.get_trials(deepcopy=False) if len(t.intermediate_values) >= 2)
+    reported = sum(1 for t in trials if len(t.intermediate_values) >= 2)
     for plot, make in jobs.items():
         if plot == "intermediate_values" and not reported:
             skipped[plot] = "no trial reported two or more intermediate values"
@@ -189,11 +280,7 @@ def plot_study(study: optuna.Study, sweep: SweepSpec, out_dir: Path) -> tuple[li
         try:
             with warnings.catch_warnings(), plt.rc_context():  # Optuna's plots switch matplotlib to its style
                 warnings.simplefilter("ignore")
-                fig = _figure_of(make())
-                if plot == "intermediate_values":  # Optuna labels it 'Intermediate Value'; say which metric
-                    fig.axes[0].set_ylabel(f"{first.report_metric} (reported each step)")
-                wide = 3.2 * len(sweep.space) + 1.5 if plot == "slice" else 7.0  # one panel per parameter
-                fig.set_size_inches(max(wide, fig.get_size_inches()[0]), 4.0)
+                fig = make()
                 path = out_dir / f"{plot}.png"
                 fig.savefig(path, dpi=90, bbox_inches="tight")
             plt.close(fig)
@@ -204,7 +291,175 @@ def plot_study(study: optuna.Study, sweep: SweepSpec, out_dir: Path) -> tuple[li
     return paths, skipped
 
 
-MIN_COMPLETE = 2  # completed trials a comparison plot (history, slice, parallel coordinates, ...) needs
+def _kind(t: optuna.trial.FrozenTrial) -> str:
+    """COMPLETE, collapsed (pruned by the health gate), pruned (by the pruner), FAIL."""
+    if t.state == TrialState.PRUNED:
+        return "collapsed" if t.user_attrs.get("pruned_by") == "health_gate" else "pruned"
+    return t.state.name
+
+
+def _plot_row(t: optuna.trial.FrozenTrial, sweep: SweepSpec) -> dict:
+    """A trial as the plots read it: its kind, params, and score (its final held-out eval, pruned trials too)."""
+    score = t.user_attrs.get("score")
+    if score is None and t.values is not None:
+        score = t.values[0]
+    if score is None:
+        score = t.user_attrs.get(f"objective/{sweep.objectives[0].key}")
+    return {"number": t.number, "kind": _kind(t), "params": t.params, "score": score}
+
+
+LABELS = {"COMPLETE": "complete", "collapsed": "collapsed (health gate)", "pruned": "pruned (pruner)"}
+
+
+def _baseline_band(ax, base, horizontal: bool = True) -> None:
+    if base is None:
+        return
+    value, half = base
+    if horizontal:
+        ax.axhline(value, color="#1f2328", linestyle="--", linewidth=1.2, label=f"base model {value:.3g}")
+        if half:
+            ax.axhspan(value - half, value + half, color="#1f2328", alpha=0.08, label="base model ± 95 %")
+
+
+def _scatter_by_kind(ax, rows: list[dict], x_of) -> None:
+    for kind, colour in COLOURS.items():
+        pts = [(x_of(r), r["score"]) for r in rows if r["kind"] == kind]
+        if pts:
+            marker = "x" if kind != "COMPLETE" else "o"
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], c=colour, marker=marker, s=36, label=LABELS[kind])
+
+
+def _history(rows: list[dict], key: str, base) -> plt.Figure:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    _scatter_by_kind(ax, rows, lambda r: r["number"])
+    complete = sorted((r["number"], r["score"]) for r in rows if r["kind"] == "COMPLETE")
+    if complete:
+        best, xs, ys = -math.inf, [], []
+        for n, v in complete:
+            best = max(best, v)
+            xs.append(n)
+            ys.append(best)
+        ax.step(xs, ys, where="post", color=COLOURS["COMPLETE"], alpha=0.5, label="best so far")
+    _baseline_band(ax, base)
+    ax.set_xlabel("trial")
+    ax.set_ylabel(f"{key} (final held-out eval)")
+    ax.set_title("Score per trial, against the base model")
+    ax.legend(fontsize=7, loc="best")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    return fig
+
+
+def _axis_transform(spec, values: list):
+    """(value -> position in [0, 1], tick positions, tick labels) of one parameter: log for log-scaled ones,
+    evenly spaced choices for a categorical one."""
+    if spec.type == "categorical":
+        choices = list(spec.choices)
+        n = max(1, len(choices) - 1)
+        return (lambda v: choices.index(v) / n if v in choices else 0.5), [i / n for i in range(len(choices))], choices
+    lo, hi = float(spec.low), float(spec.high)
+    if spec.log:
+        f = lambda v: (math.log(v) - math.log(lo)) / ((math.log(hi) - math.log(lo)) or 1)  # noqa: E731
+    else:
+        f = lambda v: (v - lo) / ((hi - lo) or 1)  # noqa: E731
+    ticks = [lo, hi]
+    if spec.log:
+        ticks = [lo, math.sqrt(lo * hi), hi]
+    return f, [f(t) for t in ticks], [format_value(t) for t in ticks]
+
+
+def _parallel(rows: list[dict], sweep: SweepSpec, key: str, base) -> plt.Figure:
+    names = list(sweep.space)
+    scores = [r["score"] for r in rows] + ([base[0] - base[1], base[0] + base[1]] if base else [])
+    lo, hi = min(scores), max(scores)
+    span = (hi - lo) or 1.0
+    axes = [_axis_transform(sweep.space[n], [r["params"].get(n) for r in rows]) for n in names]
+    fig, ax = plt.subplots(figsize=(max(7.0, 2.0 * (len(names) + 1)), 4.5))
+    x = list(range(len(names) + 1))
+    for kind in ("COMPLETE", "pruned", "collapsed"):  # collapsed drawn last: on top
+        for r in rows:
+            if r["kind"] != kind:
+                continue
+            ys = [f(r["params"][n]) if n in r["params"] else math.nan for n, (f, _, _) in zip(names, axes)]
+            ys.append((r["score"] - lo) / span)
+            ax.plot(x, ys, color=COLOURS[kind], alpha=0.85, linewidth=1.6 if kind != "COMPLETE" else 1.2)
+    for i, (_, ticks, labels) in enumerate(axes):
+        ax.axvline(i, color="#8c959f", linewidth=0.8)
+        for t, label in zip(ticks, labels):
+            ax.annotate(format_value(label), (i, t), xytext=(4, 0), textcoords="offset points", fontsize=7, va="center")
+    ax.axvline(len(names), color="#8c959f", linewidth=0.8)
+    for v in (lo, hi):
+        ax.annotate(f"{v:.3g}", (len(names), (v - lo) / span), xytext=(4, 0), textcoords="offset points", fontsize=7)
+    if base is not None:
+        y = (base[0] - lo) / span
+        ax.plot([len(names) - 0.15, len(names) + 0.15], [y, y], color="#1f2328", linestyle="--", linewidth=2)
+        ax.annotate(f"base model {base[0]:.3g}", (len(names), y), xytext=(6, 6), textcoords="offset points", fontsize=7)
+    scale = {n: " (log)" if sweep.space[n].log else "" for n in names}
+    ax.set_xticks(x, [f"{n}{scale[n]}" for n in names] + [key], fontsize=8)
+    ax.set_yticks([])
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_xlim(-0.2, len(names) + 0.6)
+    for spine in ("left", "right", "top"):
+        ax.spines[spine].set_visible(False)
+    handles = [plt.Line2D([], [], color=c, label=LABELS[k]) for k, c in COLOURS.items() if k != "FAIL"]
+    ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3, frameon=False)
+    ax.set_title("Parallel coordinates: every trial, collapsed and pruned ones included")
+    return fig
+
+
+def _slice(rows: list[dict], sweep: SweepSpec, key: str, base) -> plt.Figure:
+    from matplotlib.ticker import LogLocator, NullFormatter
+
+    names = list(sweep.space)
+    fig, axs = plt.subplots(1, len(names), figsize=(3.2 * len(names) + 1.0, 3.8), sharey=True, squeeze=False)
+    for ax, name in zip(axs[0], names):
+        spec = sweep.space[name]
+        with_p = [r for r in rows if name in r["params"]]
+        if spec.type == "categorical":
+            choices = [str(c) for c in spec.choices]
+            _scatter_by_kind(ax, with_p, lambda r, c=choices, n=name: c.index(str(r["params"][n])))
+            ax.set_xticks(range(len(choices)), choices)
+        else:
+            _scatter_by_kind(ax, with_p, lambda r, n=name: r["params"][n])
+            if spec.log:
+                ax.set_xscale("log")
+                ax.xaxis.set_major_locator(LogLocator(base=10, numticks=4))
+                ax.xaxis.set_minor_formatter(NullFormatter())
+        _baseline_band(ax, base)
+        ax.set_xlabel(name + (" (log)" if spec.log else ""), fontsize=8)
+        ax.tick_params(axis="x", labelsize=7)
+    axs[0][0].set_ylabel(key)
+    axs[0][-1].legend(fontsize=7, loc="best")
+    fig.suptitle(f"{key} against each parameter (the base model dashed)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _intermediate(trials, sweep: SweepSpec, study, base) -> plt.Figure:
+    from .pruning import report_metric
+
+    metric = study.user_attrs.get("ballast.report_metric") or report_metric(sweep)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for t in trials:
+        if not t.intermediate_values:
+            continue
+        steps = sorted(t.intermediate_values)
+        kind = _kind(t)
+        ax.plot(
+            steps,
+            [t.intermediate_values[s] for s in steps],
+            color=COLOURS.get(kind, "#6e7781"),
+            marker=".",
+            alpha=0.8,
+            linewidth=1,
+        )
+    if base is not None and metric == sweep.objectives[0].key:
+        _baseline_band(ax, base)
+    ax.set_xlabel("training step")
+    ax.set_ylabel(f"{metric} (reported to the pruner)")
+    ax.set_title("What each trial reported, by how it ended")
+    handles = [plt.Line2D([], [], color=c, label=LABELS[k]) for k, c in COLOURS.items() if k != "FAIL"]
+    ax.legend(handles=handles, fontsize=7, loc="best")
+    return fig
 
 
 def _figure_of(ax):
@@ -215,7 +470,9 @@ def _figure_of(ax):
 
 def format_value(v) -> str:
     if isinstance(v, float):
-        return f"{v:.4g}" if math.isfinite(v) else str(v)
+        if not math.isfinite(v):
+            return str(v)
+        return f"{v:.3g}" if v == 0 or abs(v) >= 1e-2 else f"{v:.2e}"  # 5.25e-04, not 0.0005253
     return str(v)
 
 

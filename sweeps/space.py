@@ -14,7 +14,7 @@ A sweep file is YAML (see examples/sweep.yaml):
       - {metric: eval/reward, direction: maximize}
       - {metric: stability, direction: minimize}
     sampler: {type: tpe}                 # tpe (default) | random | grid
-    pruner: {type: median}               # median | percentile | hyperband | none
+    pruner: {type: median}               # median | percentile | successive_halving | hyperband | none
     prune_collapsed: true                # a trial whose health gate trips is pruned at once
     trials: 12                           # COMPLETE + PRUNED trials the study should end with
     storage: null                        # default sqlite:///<project_dir>/optuna.db; postgresql://... for a team
@@ -61,6 +61,8 @@ from tasks.spec import (
 from trainer.config import HealthConfig
 from trainer.health import GATE_SIGNALS, counts_in
 from trainer.metrics import METRICS
+
+BASELINE_SECTIONS = ("model", "data", "eval", "rewards")  # what the baseline shares with every trial
 
 
 class SweepError(SpecError):
@@ -184,11 +186,20 @@ class SamplerSpec(_Strict):
 
 
 class PrunerSpec(_Strict):
-    type: Literal["median", "percentile", "hyperband", "none"] = "median"
+    type: Literal["median", "percentile", "successive_halving", "hyperband", "none"] = "median"
     n_startup_trials: int = Field(2, ge=0, description="median/percentile: trials that finish before pruning starts.")
     n_warmup_steps: int = Field(2, ge=0, description="median/percentile: steps of a trial before it can be pruned.")
     percentile: float = Field(25.0, gt=0, lt=100, description="percentile: keep trials above this percentile.")
-    min_resource: int = Field(1, ge=1, description="hyperband: steps before the first rung.")
+    min_resource: int = Field(
+        1, ge=1, description="successive_halving/hyperband: step of the first rung (match eval.every)."
+    )
+    reduction_factor: int = Field(
+        3, ge=2, description="successive_halving/hyperband: a rung keeps the best 1/reduction_factor of the trials."
+    )
+    bootstrap_count: int = Field(
+        0, ge=0, description="successive_halving: trials that must reach a rung before it prunes any."
+    )
+    max_resource: int | None = Field(None, ge=1, description="hyperband: steps of a full trial (default: observed).")
 
 
 class HeartbeatSpec(_Strict):
@@ -259,8 +270,9 @@ class SweepSpec(_Strict):
 # ------------------------------------------------------------------------------------------ loading
 
 
-def load_sweep(source: str | Path | dict) -> SweepSpec:
-    """Read and check a sweep file; the base spec is resolved and inlined (`sweep.base` is a dict after)."""
+def load_sweep(source: str | Path | dict, sets: list[str] | tuple = ()) -> SweepSpec:
+    """Read and check a sweep file; the base spec is resolved and inlined (`sweep.base` is a dict after), with the
+    command line's `--set key=value` items applied to it (the study stores the result: a resume takes the same)."""
     if isinstance(source, dict):
         data, where, here, stem = json.loads(json.dumps(source)), "sweep", Path.cwd(), None
     else:
@@ -281,6 +293,16 @@ def load_sweep(source: str | Path | dict) -> SweepSpec:
     if sweep.study is None and stem:
         sweep.study = stem
     sweep.base = _base_mapping(sweep.base, here, where)
+    for item in sets:
+        key = item.split("=", 1)[0].strip()
+        if "=" in item:
+            _check_field(key, f"--set {key}")
+        set_path(sweep.base, item)
+    if sets:
+        try:
+            validate_spec(sweep.base, "sweep base spec with --set")
+        except SpecError as e:
+            raise SweepError(str(e)) from None
     check_space(sweep, where)
     return sweep
 
@@ -312,6 +334,12 @@ def check_space(sweep: SweepSpec, where: str = "sweep") -> None:
         _check_field(key, f"{where}: field 'overrides.{key}'")
     for key in sweep.space:
         _check_field(key, f"{where}: field 'space.{key}'")
+        if key.split(".")[0] in BASELINE_SECTIONS:
+            raise SweepError(
+                f"{where}: field 'space.{key}': a sweep reads every trial against one baseline scored on the same "
+                f"held-out set with the same eval settings, so {', '.join(BASELINE_SECTIONS)} fields cannot vary; "
+                "set it in 'overrides' (or the base spec) and sweep once per value"
+            )
     base = base_spec(sweep)  # overrides alone must give a valid spec
     for key, param in sweep.space.items():
         for value in param.bounds():

@@ -164,8 +164,14 @@ def make_pruner(sweep: SweepSpec) -> optuna.pruners.BasePruner:
         return optuna.pruners.PercentilePruner(
             p.percentile, n_startup_trials=p.n_startup_trials, n_warmup_steps=p.n_warmup_steps
         )
+    if p.type == "successive_halving":
+        return optuna.pruners.SuccessiveHalvingPruner(
+            min_resource=p.min_resource, reduction_factor=p.reduction_factor, bootstrap_count=p.bootstrap_count
+        )
     if p.type == "hyperband":
-        return optuna.pruners.HyperbandPruner(min_resource=p.min_resource)
+        return optuna.pruners.HyperbandPruner(
+            min_resource=p.min_resource, max_resource=p.max_resource or "auto", reduction_factor=p.reduction_factor
+        )
     return optuna.pruners.NopPruner()
 
 
@@ -263,7 +269,8 @@ def run_trial(trial: optuna.Trial, sweep: SweepSpec, run_fn: RunFn) -> float | l
     """Suggest, build the trial's spec, run the pipeline through `run_fn`, judge the outcome."""
     params = suggest(trial, sweep.space)
     spec = trial_spec(sweep, params, name=f"{sweep.study_name}-trial-{trial.number}")
-    result = run_fn(spec, TrialPruning(trial, sweep), trial)
+    trial.set_user_attr("planned_steps", int(spec.optim.steps))  # what pruning saved is measured against this
+    result = run_fn(spec, TrialPruning(trial, sweep, spec), trial)
     trial.set_user_attr("mlflow_run_id", result.run_id)
     return verdict(trial, result, sweep, spec.health)
 
@@ -283,6 +290,7 @@ class SweepWorkerError(RuntimeError):
 class WorkerReport:
     ran: list[int] = field(default_factory=list)
     states: dict[int, str] = field(default_factory=dict)
+    timed_out: bool = False
 
 
 def optimize(
@@ -293,13 +301,18 @@ def optimize(
     max_consecutive_failures: int = 3,
     poll_s: float | None = None,
     log: Callable[[str], None] = print,
+    timeout_s: float | None = None,
 ) -> WorkerReport:
     """Run trials until the study holds `n_trials` (default: its stored total) COMPLETE + PRUNED trials,
     counting every worker's. Returns what this worker ran.
 
     Optuna's `MaxTrialsCallback`, counting the study's done *and running* trials, ends this worker's
     `study.optimize` as soon as no room is left for another trial; the loop around it then returns (the total
-    is done) or waits for the trials running elsewhere, which may still fail and leave room again."""
+    is done) or waits for the trials running elsewhere, which may still fail and leave room again.
+
+    `timeout_s` is a budget of wall time: no trial starts after it is spent (a trial running then finishes), and
+    `report.timed_out` says the loop ended for it."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     total = n_trials if n_trials is not None else target(study)
     poll = poll_s or float(getattr(study._storage, "heartbeat_interval", None) or 5)
     report, waiting_said = WorkerReport(), False
@@ -330,6 +343,9 @@ def optimize(
         done = c["COMPLETE"] + c["PRUNED"]
         if done >= total:
             return report
+        if deadline is not None and time.monotonic() >= deadline:
+            report.timed_out = True
+            return report
         if done + c["RUNNING"] >= total:
             if not waiting_said:
                 log(f"{done} of {total} trials done, {c['RUNNING']} running elsewhere; waiting for them")
@@ -338,7 +354,8 @@ def optimize(
             continue
         waiting_said = False
         with _experimental_ok():
-            study.optimize(claimed, catch=(Exception,), callbacks=[tally, *callbacks, no_room])
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            study.optimize(claimed, catch=(Exception,), callbacks=[tally, *callbacks, no_room], timeout=left)
         if tally.error:
             raise SweepWorkerError(tally.error)
 

@@ -1,7 +1,11 @@
 """Eval stage: the final checkpoint, reloaded from the artifact store into a fresh model, scored on the held-out
 set with the standalone decoding of trainer/evaluate.py — the same function in-training eval uses. Nothing of
 the trainer's in-memory state is reused. `samples` (eval.log_samples of the completions, trainer/samples.py) become
-the MLflow table eval_samples.json (tasks/record.py)."""
+the MLflow table eval_samples.json (tasks/record.py).
+
+`eval_baseline` scores the model a run starts from — the base model, or the fork source's adapter — on the same
+held-out set with the same eval settings: the baseline a sweep reads every trial against (sweeps/baseline.py). Both
+keep the per-prompt scores, so a trial and its baseline can be compared prompt by prompt."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from pathlib import Path
 
 from tasks.checkpoint import fetch_checkpoint
 from trainer.data import load_datasets
-from trainer.evaluate import evaluate_with_samples
+from trainer.evaluate import score_held_out
 from trainer.rewards import RewardComputer
 
 
@@ -20,6 +24,7 @@ class EvalResult:
     step: int  # the checkpoint's step: the final eval is logged at the run's last step
     metrics: dict[str, float]  # eval/reward, eval/accuracy, eval/mean_length
     samples: list[dict] = field(default_factory=list)  # eval.log_samples completions (trainer/samples.py rows)
+    per_prompt: dict[str, list[float]] = field(default_factory=dict, repr=False)  # reward/accuracy/length per prompt
 
 
 def eval_checkpoint(spec, checkpoint_uri: str, cache_dir: Path) -> EvalResult:
@@ -29,5 +34,21 @@ def eval_checkpoint(spec, checkpoint_uri: str, cache_dir: Path) -> EvalResult:
     rewards = RewardComputer(
         spec.rewards, output_dir=cache_dir
     )  # a judge's answers are cached there: a resume pays once
-    metrics, samples = evaluate_with_samples(model, tokenizer, held_out, spec.eval, rewards, spec.data, checkpoint.step)
-    return EvalResult(str(checkpoint_uri), checkpoint.step, metrics, samples)
+    metrics, per_prompt, samples = score_held_out(
+        model, tokenizer, held_out, spec.eval, rewards, spec.data, checkpoint.step
+    )
+    return EvalResult(str(checkpoint_uri), checkpoint.step, metrics, samples, per_prompt)
+
+
+def eval_baseline(spec, source, cache_dir: Path) -> EvalResult:
+    """The held-out scores of what a run of `spec` starts from: `source` is its fork stage's ForkSource (the base
+    model alone, or a verified checkpoint whose adapter is loaded as the run would load it)."""
+    from trainer.model import load_policy
+
+    adapter = str(source.adapter_dir) if source.adapter_dir is not None else None
+    model, tokenizer = load_policy(spec.model, spec.lora, adapter_path=adapter, trainable=False)
+    _, held_out = load_datasets(spec.data)
+    rewards = RewardComputer(spec.rewards, output_dir=cache_dir)
+    metrics, per_prompt, samples = score_held_out(model, tokenizer, held_out, spec.eval, rewards, spec.data)
+    where = source.checkpoint_uri or f"base model {spec.model.name_or_path}"
+    return EvalResult(where, source.parent_step or 0, metrics, samples, per_prompt)

@@ -15,9 +15,15 @@ What the MLflow UI shows: the experiment is marked a model-training one (`mlflow
 Ballast prints opens the UI in that mode; runs carry MLflow's own source, commit and user tags and a description
 (`mlflow.note.content`) that says what the run was and how it ended; a pipeline run is named `<spec>-<run id[:8]>`,
 its stage runs `<stage> · <that name>`. Run facts with long values (paths, URIs, the full commit) are params under
-`ballast.` (output_dir, checkpoint_prefix, fork_checkpoint, parent_run_id, base_model, code_commit), so the run
-page's tag chips stay short enough to read; tags under `ballast.` hold the short ones: status, stop_reason,
-spec_hash, data_fingerprint, code_dirty, parent_step, fork_logprob_diff, probe_passed, probe_malformed_rate.
+`ballast.` (output_dir, checkpoint_prefix, fork_checkpoint, base_model, code_commit), so the run page's tag chips
+stay short enough to read; tags under `ballast.` hold the short ones: status, stop_reason, spec_hash,
+data_fingerprint, code_dirty, parent_run_id (the fork's source run: a tag, so `tags.ballast.parent_run_id = '…'`
+finds a run's forks), parent_step, fork_logprob_diff, probe_passed, probe_malformed_rate.
+
+A sweep's trial run is read side by side with its siblings (MLflow's Compare), so it is recorded for that: its
+params are the swept parameters alone (the whole spec is its `spec.yaml` artifact; paths, prefixes and ids are
+tags), and its stages are not nested runs — their records go to the trial run itself, which is what a sweep's run
+list shows (a `ballast.failed_stage` tag names the stage a crash came from).
 """
 
 from __future__ import annotations
@@ -55,7 +61,8 @@ EXPERIMENT_KIND = "custom_model_development"  # mlflow.experimentKind: a model-t
 UI_MODE = "workflowType=machine_learning"  # MLflow 3's UI opens in its GenAI mode unless a link asks for this
 DEFAULT_UI_URL = "http://127.0.0.1:5000"  # where `ballast ui` serves the embedded store
 SOURCE_NAME = "flows/pipeline.py:ballast_pipeline"
-LONG_FACTS = ("code_commit", "base_model", "output_dir", "checkpoint_prefix", "fork_checkpoint", "parent_run_id")
+LONG_FACTS = ("code_commit", "base_model", "output_dir", "checkpoint_prefix", "fork_checkpoint")
+SWEPT_TAG = "swept"  # a sweep trial's run: the comma-joined swept spec fields, its only params
 # A run that did not end well is not FINISHED in MLflow (the runs table shows the status, not the tags): the health
 # gate stopped it or the probe failed it (FAILED), or a sweep's pruner stopped it on purpose (KILLED).
 MLFLOW_STATUS = {"finished": "FINISHED", "collapsed": "FAILED", "probe_failed": "FAILED", "pruned": "KILLED"}
@@ -229,6 +236,7 @@ class RunRecorder:
         )
         self.started = time.perf_counter()
         self._stage_run: str | None = None
+        self.flat_stages = False  # a sweep trial's run: stages record onto the run itself (start())
         self.probe_reports: list[ProbeReport] = []
         self.name = self.client.get_run(run_id).info.run_name or run_id
         self.code = code_ref()
@@ -256,7 +264,12 @@ class RunRecorder:
         run = cls(tracking, spec, run_id, source, resumed=False, view=view)
         run.output_dir.mkdir(parents=True, exist_ok=True)
         (run.output_dir / "spec.yaml").write_text(dump_spec(spec))
-        tracking.log_params(run_id, flat_params(spec))
+        params = flat_params(spec)
+        if tags and SWEPT_TAG in tags:  # a sweep trial: the swept parameters are what Compare sets side by side
+            run.flat_stages = True
+            swept = [k for k in str(tags[SWEPT_TAG]).split(",") if k]
+            params = {k: v for k, v in params.items() if k in swept}
+        tracking.log_params(run_id, params)
         run.client.log_artifact(run_id, str(run.output_dir / "spec.yaml"))
         run._lineage(tags)
         run.view.opened(run.name, run.url, spec.name)
@@ -274,25 +287,26 @@ class RunRecorder:
         """Where the run came from: long values as params (LONG_FACTS), short ones and MLflow's own as tags."""
         s = self.source
         train_set, _ = load_datasets(self.spec.data)
-        self.tracking.log_params(
-            self.run_id,
-            {
-                TAG + k: str(v)[:500]
-                for k, v in {
-                    "parent_run_id": s.parent_run_id,
-                    "fork_checkpoint": s.checkpoint_uri,
-                    "code_commit": self.code["commit"],
-                    "base_model": self.spec.model.name_or_path,
-                    "output_dir": str(self.output_dir),
-                    "checkpoint_prefix": self.store.child_uri(self.checkpoint_prefix),
-                }.items()
-                if v is not None
-            },
-        )
+        long_facts = {
+            TAG + k: str(v)[:500]
+            for k, v in {
+                "fork_checkpoint": s.checkpoint_uri,
+                "code_commit": self.code["commit"],
+                "base_model": self.spec.model.name_or_path,
+                "output_dir": str(self.output_dir),
+                "checkpoint_prefix": self.store.child_uri(self.checkpoint_prefix),
+            }.items()
+            if v is not None
+        }
+        if self.flat_stages:  # a sweep trial: Compare's axes are for the swept parameters; facts are tags
+            self.tracking.set_tags(self.run_id, long_facts)
+        else:
+            self.tracking.log_params(self.run_id, long_facts)
         diff = None if s.max_logprob_diff is None else f"{s.max_logprob_diff:.3g}"
         self.tracking.set_tags(
             self.run_id,
             {
+                "parent_run_id": s.parent_run_id,
                 "parent_step": s.parent_step,
                 "fork_logprob_diff": diff,
                 "code_dirty": self.code["dirty"],
@@ -327,7 +341,12 @@ class RunRecorder:
 
     @contextmanager
     def stage(self, name: str):
-        """A nested MLflow run for one stage, FAILED with the error when the block raises."""
+        """A nested MLflow run for one stage, FAILED with the error when the block raises. A sweep trial's stages
+        record onto the trial run itself (`flat_stages`): no nested run, and a crash tags the stage it came from."""
+        if self.flat_stages:
+            with self._flat_stage(name):
+                yield self
+            return
         self._stage_run = self.tracking.create_run(f"{name} · {self.name}", self.run_id, {"ballast.stage": name})
         self.view.stage_started(name)
         started = time.perf_counter()
@@ -348,6 +367,26 @@ class RunRecorder:
             self.view.stage_ended(name, time.perf_counter() - started, None)
         finally:
             self._stage_run = None
+
+    @contextmanager
+    def _flat_stage(self, name: str):
+        self._stage_run = self.run_id
+        try:
+            yield self
+        except TrackingUnavailable:
+            raise
+        except BaseException as e:
+            interrupted = isinstance(e, RunInterrupted) or not isinstance(e, Exception)
+            self.tracking.set_tags(self.run_id, {"failed_stage": name, "error": f"{type(e).__name__}: {e}"[:4000]})
+            if interrupted:
+                raise
+            raise StageError(name, e) from e
+        finally:
+            self._stage_run = None
+
+    def _runs(self, sid: str) -> list[str]:
+        """The stage run and the pipeline run, once each (one and the same for a sweep trial's flat stages)."""
+        return list(dict.fromkeys((sid, self.run_id)))
 
     def record(self, result) -> None:
         """Log one stage's result to its stage run (and what belongs there to the pipeline run)."""
@@ -379,14 +418,16 @@ class RunRecorder:
         elif isinstance(result, CheckpointSet):
             path = self.output_dir / "checkpoints.json"
             path.write_text(json.dumps({str(k): v for k, v in result.uris.items()}, indent=1))
-            self.client.log_artifact(sid, str(path))
-            self.client.log_artifact(self.run_id, str(path))
+            for run_id in self._runs(sid):
+                self.client.log_artifact(run_id, str(path))
         elif isinstance(result, ProbeReport):
             self._record_probe(sid, result)
         elif isinstance(result, EvalResult):
+            in_training = self._evaluated_in_training(result.step)
             for k, v in result.metrics.items():
-                self.client.log_metric(sid, k, v, step=result.step)
-            if not self._evaluated_in_training(result.step):  # the final eval, at the run's last step
+                if sid != self.run_id or not in_training:
+                    self.client.log_metric(sid, k, v, step=result.step)
+            if sid != self.run_id and not in_training:  # the final eval, at the run's last step
                 for k, v in result.metrics.items():
                     self.client.log_metric(self.run_id, k, v, step=result.step)
             self._log_samples(sid, result.samples, EVAL_SAMPLES_TABLE)
@@ -400,7 +441,7 @@ class RunRecorder:
             return
         columns = list(dict.fromkeys(key for row in rows for key in row))
         data = {column: [row.get(column) for row in rows] for column in columns}
-        for run_id in (sid, self.run_id):
+        for run_id in self._runs(sid):
             self.client.log_table(run_id, data, table)
 
     def _evaluated_in_training(self, step: int) -> bool:
@@ -410,7 +451,7 @@ class RunRecorder:
         where = self.output_dir / "probe" / step_dir_name(report.step)
         report.write_json(where / "probe_report.json")
         report.write_html(where / "probe_report.html")
-        for run_id in (sid, self.run_id):
+        for run_id in self._runs(sid):
             self.client.log_artifacts(run_id, str(where), f"probe/{step_dir_name(report.step)}")
             self.client.log_metric(run_id, "probe/malformed_rate", report.malformed_rate, step=report.step)
         self._log_samples(sid, report.sample_rows(), PROBE_SAMPLES_TABLE)
@@ -663,8 +704,22 @@ class SweepRecorder:
             self.client.set_terminated(self.parent_run_id, "KILLED")
 
     def trial_tags(self, number: int, params: dict) -> dict:
-        """Tags a trial's pipeline run carries, so its verdict can find it."""
-        return {"study": self.study_name, "trial_number": number}  # the trial's values are the run's params
+        """Tags a trial's pipeline run carries, so its verdict can find it; `swept` makes the swept fields its only
+        params (RunRecorder.start)."""
+        return {"study": self.study_name, "trial_number": number, SWEPT_TAG: ",".join(params)}
+
+    def record_baseline(self, baseline) -> None:
+        """The base model's held-out scores (sweeps/baseline.py) on the parent run: metrics `baseline/<metric>`,
+        and a tag that reads as a sentence."""
+        rid = self.parent_run_id
+        for k, v in baseline.metrics.items():
+            self.client.log_metric(rid, f"baseline/{k}", float(v))
+        shown = ", ".join(
+            f"{k} {v:.3g} ± {1.96 * baseline.metrics.get(k + '_stderr', 0.0):.2g}"
+            for k, v in baseline.metrics.items()
+            if not k.endswith("_stderr") and k != "eval/mean_length"
+        )
+        self.tracking.set_tags(rid, {"baseline": f"{baseline.source}: {shown}"})
 
     def child_run(self, number: int):
         runs = self.client.search_runs(
@@ -681,15 +736,26 @@ class SweepRecorder:
         run = self.child_run(frozen.number)
         if run is None:
             return
-        rid = run.info.run_id
-        tags = {"trial_state": frozen.state.name}
+        rid, attrs = run.info.run_id, frozen.user_attrs
+        outcome = trial_outcome(frozen)
+        tags = {
+            "trial_state": frozen.state.name,
+            "outcome": outcome,
+            "mlflow.runName": f"trial {frozen.number} · {outcome}",
+        }
         for key in ("prune_reason", "pruned_by", "error"):
-            if frozen.user_attrs.get(key):
-                tags[key] = str(frozen.user_attrs[key])[:4000]
+            if attrs.get(key):
+                tags[key] = str(attrs[key])[:4000]
         self.tracking.set_tags(rid, tags)
-        for key, value in frozen.user_attrs.items():
+        for key, value in attrs.items():
             if key.startswith("objective/"):
                 self.client.log_metric(rid, key, float(value))
+        if attrs.get("gain") is not None:  # capitalised: Compare's plots open on the first metric, sorted
+            key = next((k.removeprefix("objective/") for k in attrs if k.startswith("objective/")), "score")
+            self.client.log_metric(rid, f"Gain/{key}", float(attrs["gain"]))
+            self.client.log_metric(rid, f"Gain/{key}_ci95", 1.96 * float(attrs["gain_stderr"]))
+        if frozen.state.name == "PRUNED":  # stopped on purpose, not a crash: FINISHED, the outcome says how
+            self.client.set_terminated(rid, "FINISHED")
 
     def record_interrupted(self, study, frozen) -> None:
         """Heartbeat-stale trial (its worker died): mark its child run KILLED."""
@@ -710,6 +776,10 @@ class SweepRecorder:
         best = summary.best_rows()
         for k, v in ((best[0].get("values") or {}) if best else {}).items():
             self.client.log_metric(rid, f"best/{k}", float(v))
+        if summary.best and summary.best.get("gain") is not None:
+            self.client.log_metric(rid, "best/gain", float(summary.best["gain"]))
+            self.client.log_metric(rid, "best/gain_ci95", 1.96 * float(summary.best["gain_stderr"]))
+        self.client.log_metric(rid, "trial_steps_saved", float(summary.steps_saved))
         # a sweep whose trials were all pruned or failed found nothing: FAILED, not FINISHED
         status = ("finished" if summary.n_complete else "no_completed_trial") if summary.done else "incomplete"
         self.tracking.set_tags(
@@ -718,10 +788,27 @@ class SweepRecorder:
                 "status": status,
                 "trial_steps": summary.trial_steps,
                 "best_trial": best[0]["number"] if best else None,
+                "verdict": summary.verdict_line(),
                 "mlflow.note.content": _sweep_note(summary, status),
             },
         )
         self.client.set_terminated(rid, {"finished": "FINISHED", "no_completed_trial": "FAILED"}.get(status, "KILLED"))
+
+
+def trial_outcome(frozen) -> str:
+    """How a trial ended, in a few words (its MLflow run's name and `ballast.outcome`): '+0.10 ± 0.05 over the
+    base model', 'pruned: collapsed at step 4', 'pruned at step 8 by the pruner', 'failed: …'."""
+    attrs, step = frozen.user_attrs, frozen.user_attrs.get("last_step", "?")
+    if frozen.state.name == "PRUNED":
+        if attrs.get("pruned_by") == "health_gate":
+            return f"pruned: collapsed at step {step}"
+        return f"pruned at step {step} by the pruner"
+    if frozen.state.name == "FAIL":
+        return f"failed: {attrs.get('error') or attrs.get('not_counted') or 'see the run'}"[:200]
+    if attrs.get("gain") is not None:
+        gain = f"{attrs['gain']:+.2g} ± {1.96 * attrs['gain_stderr']:.2g} over the base model"
+        return gain + ("" if attrs.get("beats_baseline") else " (within noise)")
+    return frozen.state.name.lower()
 
 
 def _sweep_note(summary, status: str) -> str:

@@ -27,6 +27,7 @@ class PipelineResult:
     checkpoints: dict[int, str] = field(default_factory=dict)
     eval_start: dict[str, float] = field(default_factory=dict)  # eval/* before the first step (eval.on_start)
     eval: dict[str, float] = field(default_factory=dict)  # eval/* of the final checkpoint
+    eval_per_prompt: dict[str, list[float]] = field(default_factory=dict, repr=False)  # the final eval, per prompt
     probe: dict | None = None  # the probe report's totals (probe_totals)
     reports: dict[str, str] = field(default_factory=dict)  # run report, probe report, ... -> local path
     forked_from: str = "base model"
@@ -66,6 +67,7 @@ class PipelineResult:
             checkpoints=dict(checkpoints),
             eval_start={k: v for k, v in (outcome.eval_start or {}).items() if k != "step"},
             eval=dict(evaluation.metrics) if evaluation else {},
+            eval_per_prompt=dict(evaluation.per_prompt) if evaluation else {},
             probe=probe_totals(probe) if probe else None,
             forked_from=forked_from,
         )

@@ -6,9 +6,16 @@ eval (every `eval.every` steps) and the pipeline's final eval both decode throug
 tests/test_trainer.py checks it against a hand-written `model.generate` call, so eval cannot quietly
 decode differently from what users will see. `evaluate_with_samples` also returns `eval.log_samples` of the
 completions as sample rows (trainer/samples.py), which the trainer and the eval stage write and log.
+
+The held-out set is finite, so every score carries its standard error: `eval/reward_stderr` (the sample standard
+deviation of the per-prompt rewards over sqrt(n)) and `eval/accuracy_stderr` (the binomial sqrt(p(1-p)/n)).
+`score_held_out` also keeps the per-prompt scores, in the held-out set's order, so two models scored on the same
+prompts can be compared pair by pair (sweeps/baseline.py: a trial against its base model).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -85,8 +92,17 @@ def evaluate_with_samples(
     model, tokenizer, examples: list[Example], cfg: EvalConfig, rewards, data: DataConfig | None = None, step: int = 0
 ) -> tuple[dict[str, float], list[dict]]:
     """(`evaluate`'s metrics, cfg.log_samples sample rows of its completions, marked with `step`)."""
+    metrics, _, rows = score_held_out(model, tokenizer, examples, cfg, rewards, data, step)
+    return metrics, rows
+
+
+def score_held_out(
+    model, tokenizer, examples: list[Example], cfg: EvalConfig, rewards, data: DataConfig | None = None, step: int = 0
+) -> tuple[dict[str, float], dict[str, list[float]], list[dict]]:
+    """(metrics with their standard errors, per-prompt scores {'reward', 'accuracy', 'length'} in the order of
+    `examples`, sample rows)."""
     if not examples:
-        return {}, []
+        return {}, {}, []
     texts, lengths, endings = generate(
         model, tokenizer, [e.prompt for e in examples], cfg.max_tokens, cfg.temperature, cfg.batch_size, data=data
     )
@@ -94,10 +110,18 @@ def evaluate_with_samples(
         texts, [e.answer for e in examples], [e.prompt for e in examples], **reward_columns(examples)
     )
     accuracy_name = rewards.accuracy_name(cfg.reward)
-    accuracy = parts[accuracy_name] if accuracy_name is not None else None
-    out = {"eval/reward": sum(total) / len(total), "eval/mean_length": sum(lengths) / len(lengths)}
-    if accuracy is not None:
-        out["eval/accuracy"] = sum(1.0 for a in accuracy if a >= 1.0) / len(accuracy)
+    per_prompt = {"reward": [float(r) for r in total], "length": [float(n) for n in lengths]}
+    if accuracy_name is not None:
+        per_prompt["accuracy"] = [1.0 if a >= 1.0 else 0.0 for a in parts[accuracy_name]]
+    out = {
+        "eval/reward": mean(per_prompt["reward"]),
+        "eval/reward_stderr": stderr(per_prompt["reward"]),
+        "eval/mean_length": mean(per_prompt["length"]),
+    }
+    if "accuracy" in per_prompt:
+        p = mean(per_prompt["accuracy"])
+        out["eval/accuracy"] = p
+        out["eval/accuracy_stderr"] = math.sqrt(p * (1 - p) / len(per_prompt["accuracy"]))
     rows = sample_rows(
         step,
         [e.prompt for e in examples],
@@ -109,4 +133,17 @@ def evaluate_with_samples(
         parts,
         cfg.log_samples,
     )
-    return out, rows
+    return out, per_prompt, rows
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def stderr(values: list[float]) -> float:
+    """The standard error of the mean: sample standard deviation (n - 1) over sqrt(n); 0 for a single value."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    m = mean(values)
+    return math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1) / n)

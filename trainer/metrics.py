@@ -126,6 +126,8 @@ METRICS: dict[str, str] = {
     "steps).",
     "eval/accuracy": "Share of held-out prompts whose exact_answer reward is 1.",
     "eval/mean_length": "Mean completion length in tokens on the held-out set.",
+    "eval/reward_stderr": "Standard error of eval/reward: the per-prompt rewards' standard deviation over sqrt(n).",
+    "eval/accuracy_stderr": "Standard error of eval/accuracy: sqrt(p(1-p)/n) over the n held-out prompts.",
     # the judge reward (trainer/judge.py), when rewards has one: its last training batch's scoring, per step
     "judge/groups": "Groups (the completions of one prompt) the judge scored, from the cache or the endpoint.",
     "judge/requests": "HTTP requests sent to the judge endpoint, retries included.",
