@@ -7,9 +7,9 @@ import torch
 
 from tests.conftest import perturb_lora, tiny_spec
 from trainer.config import LoraConfig, ModelConfig
-from trainer.logprobs import completion_logprobs
+from trainer.logprobs import check_packing, completion_logprobs
 from trainer.model import load_policy
-from trainer.packing import check_packing, first_fit_decreasing, pack
+from trainer.packing import first_fit_decreasing, pack
 
 
 def ragged_batch(vocab: int, prompt_lens, completion_lens, seed: int = 0):

@@ -283,6 +283,24 @@ def completion_logprobs(
     return logprobs.view(batch, completion_len), (entropy.view(batch, completion_len) if with_entropy else None)
 
 
+def check_packing(model, vocab_size: int, device: torch.device) -> float:
+    """The largest difference between packed and padded logprobs of two short random sequences under `model`.
+    A model whose attention crosses packed sequences shows it here, as a difference far above rounding."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab_size, (2, 12), generator=generator).to(device)
+    mask = torch.ones_like(ids)
+    mask[0, :6], mask[1, :7] = 0, 0  # 6 and 5 real tokens, left-padded: the two pack into one bin of 12
+    was_training = model.training
+    model.eval()  # no dropout: the two forwards must see the same weights
+    try:
+        with torch.no_grad():
+            padded, _ = completion_logprobs(model, ids, mask, 3)
+            packed, _ = completion_logprobs(model, ids, mask, 3, packed=True)
+    finally:
+        model.train(was_training)
+    return float((padded - packed).abs().max())
+
+
 def kl_estimators(logp: Tensor, ref_logp: Tensor) -> dict[str, Tensor]:
     """Schulman's per-token estimators of KL(policy || ref) for tokens sampled from the policy.
 

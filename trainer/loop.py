@@ -51,7 +51,7 @@ from .config import InputError, TrainerConfig
 from .data import PromptSampler, data_fingerprint, load_datasets, render_prompt, reward_columns
 from .evaluate import evaluate_with_samples
 from .health import HealthGate, batch_health, hacking_signals
-from .logprobs import completion_logprobs
+from .logprobs import check_packing, completion_logprobs
 from .loss import BatchTotals, LossTerms, grpo_loss, rollout_correction
 from .metrics import (
     completion_metrics,
@@ -62,7 +62,6 @@ from .metrics import (
     update_metrics,
 )
 from .model import ensure_model, load_policy, logprob_fingerprint, model_identity, resolve_device
-from .packing import check_packing
 from .rewards import RewardComputer
 from .rollouts import RolloutProducer
 from .samples import EVAL_SAMPLES_FILE, SAMPLES_FILE, append_rows, sample_rows

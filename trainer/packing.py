@@ -14,8 +14,9 @@ trailing pads only. What it does not: with sdpa a bin still costs a dense L x L 
 skips the masked blocks). It pays when lengths vary, which they do in GRPO; with every completion at max_tokens
 and equal prompts nothing is saved.
 
-A model whose attention ignores packed position ids would let sequences see each other: `check_packing` compares
-packed and padded logprobs on two short sequences when the trainer starts and refuses the setting if they differ.
+A model whose attention ignores packed position ids would let sequences see each other: `check_packing`
+(trainer/logprobs.py, beside the two forwards it compares) compares packed and padded logprobs on two short
+sequences when the trainer starts, and the trainer refuses the setting if they differ.
 """
 
 from __future__ import annotations
@@ -90,23 +91,3 @@ def pack(input_ids: Tensor, attention_mask: Tensor, completion_len: int) -> Pack
         positions[k, offset:] = torch.arange(width - offset)  # the trailing pad is a sequence of its own
     device = input_ids.device
     return Packing(ids.to(device), positions.to(device), bin_of.to(device), column_of.to(device), real.to(device))
-
-
-def check_packing(model, vocab_size: int, device: torch.device) -> float:
-    """The largest difference between packed and padded logprobs of two short random sequences under `model`.
-    A model whose attention crosses packed sequences shows it here, as a difference far above rounding."""
-    from .logprobs import completion_logprobs  # here, not at the top: trainer/logprobs.py imports this module
-
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab_size, (2, 12), generator=generator).to(device)
-    mask = torch.ones_like(ids)
-    mask[0, :6], mask[1, :7] = 0, 0  # 6 and 5 real tokens, left-padded: the two pack into one bin of 12
-    was_training = model.training
-    model.eval()  # no dropout: the two forwards must see the same weights
-    try:
-        with torch.no_grad():
-            padded, _ = completion_logprobs(model, ids, mask, 3)
-            packed, _ = completion_logprobs(model, ids, mask, 3, packed=True)
-    finally:
-        model.train(was_training)
-    return float((padded - packed).abs().max())
