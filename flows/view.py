@@ -4,9 +4,13 @@
   shows a spinner with its name and elapsed time, so the screen never sits frozen with nothing named, and says
   what it found when it ends. Piped (tee, CI logs) there is no bar to redraw: one line per stage and about
   PIPED_LINES lines of training progress instead, each flushed as it is written.
+  An in-training eval prints its line on a terminal too, above the bar.
 * Prefect. The same lines go to the flow run's log through Prefect's run logger (the UI's Logs tab); the flow run
-  takes the MLflow run's name (`<spec>-<run id[:8]>`); a link artifact points at the MLflow run and a markdown
-  artifact holds the summary, both keyed by the spec's name so the Artifacts page keeps their history.
+  takes the MLflow run's name (`<spec>-<run id[:8]>`), or `<spec>-failed` when it fails before that run exists; a
+  link artifact points at the MLflow run and a markdown artifact holds the summary, both keyed by the spec's name
+  so the Artifacts page keeps their history. The MLflow run links back: FLOW_RUN_ID_TAG and FLOW_RUN_URL_TAG.
+
+The flow (flows/pipeline.py) tells the view what happened; the recorder (tasks/record.py) never calls it.
 """
 
 from __future__ import annotations
@@ -22,26 +26,30 @@ from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 from rich.console import Console
 
+from flows import runtime
 from tasks.checkpoint import CheckpointSet
 from tasks.eval import EvalResult
 from tasks.fork import ForkSource
 from tasks.probe_report import ProbeReport
-from tasks.record import RunView
-from tasks.summary import PipelineResult
-from tasks.train import RunInterrupted, TrainOutcome
+from tasks.summary import STDERR, PipelineResult, StopReason
+from tasks.train import Callbacks, RunInterrupted, TrainOutcome
 
 PIPED_LINES = 20  # about this many training-progress lines per run when output is piped
+PREFECT_UI_PORT = 4200  # where `ballast ui` serves the Prefect UI of the embedded store (flows/cli.py's default)
+FLOW_RUN_ID_TAG, FLOW_RUN_URL_TAG = "prefect.flow_run_id", "prefect.flow_run_url"  # on the MLflow run
 
 
-class PipelineView(RunView):
-    """The terminal and the Prefect run log of one pipeline run. `terminal=False` (sweep trials): Prefect only."""
+class PipelineView(Callbacks):
+    """The terminal and the Prefect run log of one pipeline run. `terminal=False` (sweep trials): Prefect only. The
+    flow tells it when the run is open, when a stage starts and ends and what it returned, and how the run ended;
+    the trainer tells it each step (a trainer callback)."""
 
-    def __init__(self, total_steps: int, terminal: bool = True):
-        self.console = Console(soft_wrap=True, highlight=False)
+    def __init__(self, total_steps: int, terminal: bool = True, console: Console | None = None, log=None):
+        self.console = console or Console(soft_wrap=True, highlight=False)
         self.terminal, self.total = terminal, total_steps
         self.piped = not self.console.is_terminal
         self.every = max(1, round(total_steps / PIPED_LINES))
-        self.log = get_run_logger()
+        self.log = log or get_run_logger()  # the flow run's log (the UI's Logs tab)
         self.started = time.perf_counter()
         self._status = None
 
@@ -83,18 +91,19 @@ class PipelineView(RunView):
             self.say(line if isinstance(result, ForkSource) else f"  {line}")
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
-        if step and step % self.every and step != self.total and not any(k.startswith("eval/") for k in metrics):
+        """A progress line every `every` steps (the terminal shows it only when piped: a terminal has the bar) and
+        one per in-training eval, on the terminal too (printed above the bar: the bar shows no held-out score)."""
+        evaluated = any(k.startswith("eval/") for k in metrics)
+        if step and step % self.every and step != self.total and not evaluated:
             return
         elapsed = time.perf_counter() - self.started
         keys = [k for k in ("reward", "kl", "completions/mean_length") if k in metrics]
-        keys += sorted(k for k in metrics if k.startswith("eval/"))
-        values = "  ".join(f"{k} {metrics[k]:.4g}" for k in keys)
-        self.say(f"step {step}/{self.total}  {values}  ({elapsed:.0f} s)", terminal=self.piped)
+        values = "  ".join([f"{k} {metrics[k]:.4g}" for k in keys] + eval_scores(metrics))
+        self.say(f"step {step}/{self.total}  {values}  ({elapsed:.0f} s)", terminal=self.piped or evaluated)
 
     def opened(self, run_name: str, url: str, spec_name: str) -> None:
         """The flow run takes the MLflow run's name and links to it."""
-        with get_client(sync_client=True) as client:
-            client.update_flow_run(flow_run_id=flow_run.id, name=run_name)
+        rename_flow_run(run_name)
         create_link_artifact(
             link=url,
             link_text=f"MLflow run {run_name}",
@@ -118,17 +127,54 @@ class PipelineView(RunView):
 def starting_name() -> str:
     """The flow run's name until the MLflow run exists (then `opened` renames it): the spec's name, or the name of
     the run a resume continues."""
+    return f"{_named()}-starting"
+
+
+def name_failed_start() -> None:
+    """The flow run failed before its MLflow run existed (a spec error, a fork refused, a store down): its name says
+    so (`<spec>-failed`) instead of keeping `<spec>-starting` for good. Outside a flow run: nothing to rename."""
+    if flow_run.id:
+        rename_flow_run(f"{_named()}-failed")
+
+
+def rename_flow_run(name: str) -> None:
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(flow_run_id=flow_run.id, name=name)
+
+
+def _named() -> str:
     params = flow_run.parameters
     if params.get("resume_run_id"):
         return f"resume-{params['resume_run_id'][:8]}"
     spec = params.get("spec")
-    name = spec.get("name") if isinstance(spec, dict) else None
+    name = spec.get("name") if isinstance(spec, dict) else getattr(spec, "name", None)
     if name is None and isinstance(spec, str):
         try:
             name = (yaml.safe_load(Path(spec).read_text()) or {}).get("name")
         except (OSError, yaml.YAMLError, AttributeError):
             name = None
-    return f"{name or 'experiment'}-starting"
+    return name or "experiment"
+
+
+def flow_run_link() -> dict[str, str]:
+    """MLflow tags naming this flow run: its id and its page in the Prefect UI (the one `ballast ui` serves for the
+    embedded API, else the server's, PREFECT_UI_URL). Empty outside a flow run."""
+    if not flow_run.id:
+        return {}
+    ui = f"http://127.0.0.1:{PREFECT_UI_PORT}" if runtime.embedded() else (flow_run.ui_url or "").split("/runs/")[0]
+    link = {FLOW_RUN_ID_TAG: flow_run.id}
+    if ui:
+        link[FLOW_RUN_URL_TAG] = f"{ui}/runs/flow-run/{flow_run.id}"
+    return link
+
+
+def eval_scores(metrics: dict[str, float]) -> list[str]:
+    """'eval/accuracy 0.289 ± 0.04' for each held-out score in `metrics`, its standard error beside it when given."""
+    out = []
+    for k in sorted(k for k in metrics if k.startswith("eval/") and not k.endswith(STDERR)):
+        err = metrics.get(k + STDERR)
+        out.append(f"{k} {metrics[k]:.4g}" + (f" ± {err:.2g}" if err is not None else ""))
+    return out
 
 
 def describe(result) -> str | None:
@@ -139,8 +185,9 @@ def describe(result) -> str | None:
         diff = "" if result.max_logprob_diff is None else f" (max |logprob diff| {result.max_logprob_diff:.2g})"
         return f"fork: starting from {result.describe()}, verified{diff}"
     if isinstance(result, TrainOutcome):
-        return f"train: {'stopped at' if result.stopped else 'ended at'} step {result.last_step}" + (
-            f" — {result.stopped}" if result.stopped else ""
+        stopped = StopReason.parse(result.stopped)
+        return f"train: {'stopped at' if stopped else 'ended at'} step {result.last_step}" + (
+            f" — {stopped}" if stopped else ""
         )
     if isinstance(result, CheckpointSet):
         return f"checkpoint: {len(result.uris)} kept in the store, final {result.final_uri}"
@@ -150,7 +197,7 @@ def describe(result) -> str | None:
             f"parity {'ok' if result.parity_ok else 'FAILED'} → {'passed' if result.passed else 'FAILED'}"
         )
     if isinstance(result, EvalResult):
-        return "eval: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(result.metrics.items()))
+        return "eval: " + ", ".join(eval_scores(result.metrics))
     return None
 
 

@@ -47,10 +47,10 @@ from tasks.fork import ForkSource
 from tasks.metrics_sink import PENDING, MetricsSink, guarded
 from tasks.probe_report import ProbeReport
 from tasks.report import plot_history, write_run_report
-from tasks.spec import TrackingConfig, dump_spec, flat_params, spec_hash
-from tasks.summary import PipelineResult
+from tasks.spec import ExperimentSpec, TrackingConfig, dump_spec, flat_params, spec_hash
+from tasks.summary import PipelineResult, RunStatus, StopReason
 from tasks.train import RunInterrupted, TrainOutcome
-from trainer.checkpoint import code_ref, list_checkpoints, step_dir_name
+from trainer.checkpoint import Checkpoint, code_ref, list_checkpoints, step_dir_name
 from trainer.data import data_fingerprint, load_datasets
 from trainer.loop import Callbacks
 from trainer.metrics import METRICS  # noqa: F401  (the glossary of what is logged: `ballast metrics`)
@@ -65,7 +65,27 @@ LONG_FACTS = ("code_commit", "base_model", "output_dir", "checkpoint_prefix", "f
 SWEPT_TAG = "swept"  # a sweep trial's run: the comma-joined swept spec fields, its only params
 # A run that did not end well is not FINISHED in MLflow (the runs table shows the status, not the tags): the health
 # gate stopped it or the probe failed it (FAILED), or a sweep's pruner stopped it on purpose (KILLED).
-MLFLOW_STATUS = {"finished": "FINISHED", "collapsed": "FAILED", "probe_failed": "FAILED", "pruned": "KILLED"}
+MLFLOW_STATUS: dict[RunStatus, str] = {
+    "finished": "FINISHED",
+    "collapsed": "FAILED",
+    "probe_failed": "FAILED",
+    "pruned": "KILLED",
+}
+MODEL_NAME = "model"  # the final checkpoint as an MLflow model (tasks/mlflow_model.py); tracking.register_as
+MODEL_CODE = Path(__file__).with_name("mlflow_model.py")
+TRAINER_CODE = Path(__file__).resolve().parent.parent / "trainer"  # travels with the model: it loads the checkpoint
+SAMPLES_SHOWN = 12  # sample rows per table on the run report
+# MLflow's run page (Model metrics) draws a section per metric prefix, sections in alphabetical order and metrics
+# with no prefix (reward, kl) last — so it opened on advantages/* and clip_ratio/*, near zero by construction. The
+# numbers a person looks at first are also logged under HEADLINE, which sorts before any letter: that section opens.
+HEADLINE = "_headline/"
+HEADLINE_KEYS = {
+    "reward": "reward",
+    "eval/reward": "eval_reward",
+    "eval/accuracy": "eval_accuracy",
+    "kl": "kl",
+    "completions/mean_length": "mean_length",
+}
 # What the model wrote, as MLflow tables (the UI's artifact view shows them as tables): training steps, evals, probes
 SAMPLES_TABLE, EVAL_SAMPLES_TABLE, PROBE_SAMPLES_TABLE = "samples.json", "eval_samples.json", "probe_samples.json"
 
@@ -202,7 +222,7 @@ class Tracking:
     def set_tags(self, run_id: str, tags: dict) -> None:
         for k, v in tags.items():
             if v is not None:
-                self.client.set_tag(run_id, k if k.startswith((TAG, "mlflow.")) else TAG + k, str(v))
+                self.client.set_tag(run_id, k if k.startswith((TAG, "mlflow.", "prefect.")) else TAG + k, str(v))
 
     def log_params(self, run_id: str, params: dict[str, str]) -> None:
         items = [Param(k, v) for k, v in params.items()]
@@ -222,9 +242,7 @@ class Tracking:
 class RunRecorder:
     """The MLflow side of one pipeline run. Make one with `start()` (a new run) or `resume()`."""
 
-    def __init__(
-        self, tracking: Tracking, spec, run_id: str, source: ForkSource, resumed: bool, view: RunView | None = None
-    ):
+    def __init__(self, tracking: Tracking, spec: ExperimentSpec, run_id: str, source: ForkSource, resumed: bool):
         self.tracking, self.client, self.spec = tracking, tracking.client, spec
         self.run_id, self.source, self.resumed = run_id, source, resumed
         self.output_dir = Path(spec.project_dir).resolve() / "runs" / run_id
@@ -234,13 +252,13 @@ class RunRecorder:
         self.metrics = MetricsSink(
             self.client, run_id, spec.tracking.log_every, spool=self.output_dir / PENDING, replayed=resumed
         )
+        self.headline = Headline(self.metrics)  # a trainer callback, beside `metrics`
         self.started = time.perf_counter()
         self._stage_run: str | None = None
         self.flat_stages = False  # a sweep trial's run: stages record onto the run itself (start())
         self.probe_reports: list[ProbeReport] = []
         self.name = self.client.get_run(run_id).info.run_name or run_id
         self.code = code_ref()
-        self.view = view or RunView()  # the terminal and Prefect's run log (flows/view.py)
 
     @property
     def url(self) -> str:
@@ -253,15 +271,14 @@ class RunRecorder:
     def start(
         cls,
         tracking: Tracking,
-        spec,
+        spec: ExperimentSpec,
         source: ForkSource,
         parent_run_id: str | None = None,
         tags: dict | None = None,
-        view: RunView | None = None,
     ) -> RunRecorder:
         run_id = tracking.create_run(spec.name, parent_run_id)
         tracking.client.set_tag(run_id, "mlflow.runName", run_name(spec.name, run_id))
-        run = cls(tracking, spec, run_id, source, resumed=False, view=view)
+        run = cls(tracking, spec, run_id, source, resumed=False)
         run.output_dir.mkdir(parents=True, exist_ok=True)
         (run.output_dir / "spec.yaml").write_text(dump_spec(spec))
         params = flat_params(spec)
@@ -272,15 +289,17 @@ class RunRecorder:
         tracking.log_params(run_id, params)
         run.client.log_artifact(run_id, str(run.output_dir / "spec.yaml"))
         run._lineage(tags)
-        run.view.opened(run.name, run.url, spec.name)
+        run._log_datasets()
         return run
 
     @classmethod
-    def resume(cls, tracking: Tracking, spec, run_id: str, view: RunView | None = None) -> RunRecorder:
-        run = cls(tracking, spec, run_id, tracking.fork_source_of(run_id), resumed=True, view=view)
+    def resume(cls, tracking: Tracking, spec: ExperimentSpec, run_id: str, tags: dict | None = None) -> RunRecorder:
+        """The recorder of an interrupted run, RUNNING again; `tags` are this attempt's (its Prefect flow run)."""
+        run = cls(tracking, spec, run_id, tracking.fork_source_of(run_id), resumed=True)
         run.client.update_run(run_id, status="RUNNING")
-        run.tracking.set_tags(run_id, {"status": "running", "mlflow.note.content": run.note("**Resumed; running.**")})
-        run.view.opened(run.name, run.url, spec.name)
+        run.tracking.set_tags(
+            run_id, {"status": "running", "mlflow.note.content": run.note("**Resumed; running.**"), **(tags or {})}
+        )
         return run
 
     def _lineage(self, extra: dict | None) -> None:
@@ -322,6 +341,86 @@ class RunRecorder:
             },
         )
 
+    def _log_datasets(self) -> None:
+        """The prompt sets as MLflow dataset inputs (the run page's Datasets): the training prompts and the held-out
+        ones, each with its source, digest and rows (prompt, answer)."""
+        import pandas as pd
+        from mlflow.data.code_dataset_source import CodeDatasetSource
+        from mlflow.entities import DatasetInput, InputTag
+
+        data = self.spec.data
+        train_set, eval_set = load_datasets(data)
+        inputs = []
+        for examples, context, source in (
+            (train_set, "training", data.source),
+            (eval_set, "eval", data.eval_path or data.source),
+        ):
+            if not examples:
+                continue
+            rows = pd.DataFrame(
+                {
+                    "prompt": [e.prompt if isinstance(e.prompt, str) else json.dumps(e.prompt) for e in examples],
+                    "answer": [e.answer if isinstance(e.answer, str) else json.dumps(e.answer) for e in examples],
+                }
+            )
+            where = CodeDatasetSource({"ballast.data.source": str(source), "ballast.data.seed": str(data.seed)})
+            dataset = mlflow.data.from_pandas(rows, source=where, name=f"{self.spec.name}-{context}", targets="answer")
+            inputs.append(DatasetInput(dataset._to_mlflow_entity(), [InputTag("mlflow.data.context", context)]))
+        self.client.log_inputs(self.run_id, datasets=inputs)
+
+    def _log_model(self, checkpoint_dir: Path, register: bool) -> str | None:
+        """The final checkpoint as an MLflow model (tasks/mlflow_model.py: base model + adapter, loaded through
+        trainer/checkpoint.py), with `register` registered as tracking.register_as when that is set; returns its
+        URI. The optimizer state stays out of it."""
+        if not checkpoint_dir.is_dir():  # a store-only checkpoint (none kept on this disk): nothing to log here
+            return None
+        import shutil
+
+        checkpoint = Checkpoint.open(checkpoint_dir, verify=False)
+        staged = self.output_dir / "mlflow-model"
+        shutil.rmtree(staged, ignore_errors=True)
+        for part in ("adapter", "model", "tokenizer"):
+            if (checkpoint.path / part).is_dir():
+                shutil.copytree(checkpoint.path / part, staged / "checkpoint" / part)
+        shutil.copy2(checkpoint.path / "manifest.json", staged / "checkpoint" / "manifest.json")
+        spec = self.spec
+        config = {
+            "model": spec.model.model_dump(mode="json") | {"device": "auto"},  # wherever it is loaded
+            "lora": spec.lora.model_dump(mode="json"),
+            "render": {"system_prompt": spec.data.system_prompt, "prompt_template": spec.data.prompt_template},
+            "max_tokens": spec.eval.max_tokens,
+        }
+        (staged / "ballast_model.json").write_text(json.dumps(config, indent=1))
+        from mlflow.models import ModelSignature
+        from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
+
+        signature = ModelSignature(
+            inputs=Schema([ColSpec("string", "prompt")]),
+            outputs=Schema([ColSpec("string")]),
+            params=ParamSchema(
+                [ParamSpec("max_tokens", "long", spec.eval.max_tokens), ParamSpec("temperature", "double", 0.0)]
+            ),
+        )
+        with mlflow.start_run(run_id=self.run_id):  # resumes this run for the fluent API; the caller ends it
+            info = mlflow.pyfunc.log_model(
+                name=MODEL_NAME,
+                python_model=str(MODEL_CODE),
+                artifacts={"checkpoint": str(staged / "checkpoint"), "config": str(staged / "ballast_model.json")},
+                code_paths=[str(TRAINER_CODE)],
+                signature=signature,
+                pip_requirements=_requirements(),
+                registered_model_name=spec.tracking.register_as if register else None,
+                metadata={
+                    "base_model": spec.model.name_or_path,
+                    "weights": checkpoint.weights,
+                    "checkpoint_step": checkpoint.step,
+                    "checkpoint_sha256": _manifest_digest(checkpoint),
+                },
+                step=checkpoint.step,
+            )
+        self.tracking.set_tags(self.run_id, {"model_uri": info.model_uri})
+        return info.model_uri
+
     def note(self, ending: str) -> str:
         """The run's MLflow description (markdown): how it ended (or that it runs) first — the run page shows the
         first lines and folds the rest — then what the run is."""
@@ -348,8 +447,6 @@ class RunRecorder:
                 yield self
             return
         self._stage_run = self.tracking.create_run(f"{name} · {self.name}", self.run_id, {"ballast.stage": name})
-        self.view.stage_started(name)
-        started = time.perf_counter()
         try:
             yield self
         except TrackingUnavailable:
@@ -358,13 +455,11 @@ class RunRecorder:
             interrupted = isinstance(e, RunInterrupted) or not isinstance(e, Exception)  # a signal, not an error
             self.client.set_tag(self._stage_run, "ballast.error", f"{type(e).__name__}: {e}"[:4000])
             self.client.set_terminated(self._stage_run, "KILLED" if interrupted else "FAILED")
-            self.view.stage_ended(name, time.perf_counter() - started, e)
             if interrupted:
                 raise
             raise StageError(name, e) from e
         else:
             self.client.set_terminated(self._stage_run, "FINISHED")
-            self.view.stage_ended(name, time.perf_counter() - started, None)
         finally:
             self._stage_run = None
 
@@ -390,7 +485,6 @@ class RunRecorder:
 
     def record(self, result) -> None:
         """Log one stage's result to its stage run (and what belongs there to the pipeline run)."""
-        self.view.recorded(result)
         sid = self._stage_run
         if isinstance(result, ForkSource):
             self.tracking.set_tags(
@@ -411,7 +505,7 @@ class RunRecorder:
             self.client.log_metric(sid, "trainer_seconds", result.trainer_seconds)
             self.client.log_metric(sid, "last_step", result.last_step)
             if result.stopped:
-                self.tracking.set_tags(self.run_id, {"stop_reason": result.stopped})
+                self.tracking.set_tags(self.run_id, {"stop_reason": str(StopReason.parse(result.stopped))})
             if not result.interrupted:  # an interrupted run's are logged, all of them, when it is resumed
                 self._log_samples(sid, read_rows(self.output_dir / SAMPLES_FILE), SAMPLES_TABLE)
                 self._log_samples(sid, read_rows(self.output_dir / EVAL_SAMPLES_FILE), EVAL_SAMPLES_TABLE)
@@ -429,6 +523,9 @@ class RunRecorder:
                     self.client.log_metric(sid, k, v, step=result.step)
             if sid != self.run_id and not in_training:  # the final eval, at the run's last step
                 for k, v in result.metrics.items():
+                    self.client.log_metric(self.run_id, k, v, step=result.step)
+            if not in_training:
+                for k, v in headline(result.metrics).items():
                     self.client.log_metric(self.run_id, k, v, step=result.step)
             self._log_samples(sid, result.samples, EVAL_SAMPLES_TABLE)
         else:
@@ -486,8 +583,16 @@ class RunRecorder:
         links = {"spec.yaml": "spec.yaml", "MLflow run": self.url}
         if probe is not None:
             links["probe report"] = f"probe/{step_dir_name(probe.step)}/probe_report.html"
-        report = write_run_report(self.output_dir / "report.html", result, plots, probe, links, self.code)
+        samples = {
+            f"Held-out samples (final checkpoint, step {evaluation.step})": evaluation.samples if evaluation else [],
+            "Training samples (last step)": _last_step(read_rows(self.output_dir / SAMPLES_FILE)),
+        }
+        samples = {title: rows[:SAMPLES_SHOWN] for title, rows in samples.items()}
+        report = write_run_report(self.output_dir / "report.html", result, plots, probe, links, self.code, samples)
         self.client.log_artifact(self.run_id, str(report))
+        if checkpoints.uris:  # a model only a finished run registers; a collapsed one's is logged, to be looked at
+            final = self.output_dir / "checkpoints" / step_dir_name(max(checkpoints.uris))
+            self._log_model(final, register=result.status == "finished")
         result.reports = {"run": str(report)}
         if probe is not None:
             result.reports["probe"] = str(self.output_dir / links["probe report"])
@@ -496,7 +601,6 @@ class RunRecorder:
         )
         if not result.stopped and TAG + "stop_reason" in self.tags_now():  # a resumed run's old "stopped by SIGINT"
             self.client.delete_tag(self.run_id, TAG + "stop_reason")
-        self.view.finished(result)
         self.client.set_terminated(self.run_id, MLFLOW_STATUS.get(result.status, "FINISHED"))
         return result
 
@@ -542,31 +646,44 @@ class RunRecorder:
         return stop
 
 
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """The headline copies (HEADLINE) of the metrics that have one."""
+    return {HEADLINE + name: metrics[k] for k, name in HEADLINE_KEYS.items() if k in metrics}
+
+
+class Headline(Callbacks):
+    """A trainer callback that sends each step's headline copies to the run's metrics sink."""
+
+    def __init__(self, sink: MetricsSink):
+        self.sink = sink
+
+    def on_step(self, step: int, metrics: dict[str, float]) -> None:
+        if metrics := headline(metrics):
+            self.sink.on_step(step, metrics)
+
+
 class StageError(RuntimeError):
     def __init__(self, stage: str, cause: BaseException):
         super().__init__(f"stage '{stage}' failed: {type(cause).__name__}: {cause}")
         self.stage, self.cause = stage, cause
 
 
-class RunView(Callbacks):
-    """What watches a pipeline run besides MLflow (the terminal, Prefect's run log; flows/view.py): told when the
-    run is open, when a stage starts and ends and what it returned, each training step (a trainer callback), and
-    how the run ended. This one shows nothing."""
+def _last_step(rows: list[dict]) -> list[dict]:
+    last = max((row.get("step", 0) for row in rows), default=None)
+    return [row for row in rows if row.get("step", 0) == last]
 
-    def opened(self, run_name: str, url: str, spec_name: str) -> None:
-        pass
 
-    def finished(self, result: PipelineResult) -> None:
-        pass
+def _requirements() -> list[str]:
+    """What loading the logged model needs, pinned to what trained it (not inferred: that would load the model)."""
+    from importlib.metadata import version
 
-    def stage_started(self, name: str) -> None:
-        pass
+    return [f"{name}=={version(name)}" for name in ("mlflow", "torch", "transformers", "peft", "safetensors")]
 
-    def stage_ended(self, name: str, seconds: float, error: BaseException | None) -> None:
-        pass
 
-    def recorded(self, result) -> None:
-        pass
+def _manifest_digest(checkpoint: Checkpoint) -> str:
+    import hashlib
+
+    return hashlib.sha256((checkpoint.path / "manifest.json").read_bytes()).hexdigest()[:16]
 
 
 def run_name(spec_name: str, run_id: str) -> str:

@@ -3,9 +3,11 @@
 Curves are grouped by what they measure, one unit per axis: reward and held-out scores; KL by its three
 estimators; completion length in tokens; 0-1 shares (repetition, garbage, truncation); entropy; the engine-vs-
 trainer logprob difference. Noisy per-step curves are drawn faint with a rolling mean on top; eval points
-(step 0 too, with eval.on_start) as markers. A gate signal's threshold is a dotted line in its curve's colour (far
-above the curve it is named in the legend instead, so the curve keeps its scale), and where the health gate stopped
-the run a red vertical line marks the step on every plot. Legends sit below the axes, clear of the curves.
+(step 0 too, with eval.on_start) as markers. A gate signal's threshold is a dotted line in its curve's colour; far
+above the axis (over OFF_SCALE times its top, every curve of the plot counted) it is named in the legend instead,
+so the curves keep their scale. Where the health gate stopped the run a red vertical line marks the step on every
+plot. Legends sit below the axes, clear of the curves, in one column when a name is long; the PNG holds all of it.
+The page also shows what the model wrote: the final eval's samples and the last training step's.
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ PLOTS = (
 )
 SMOOTH, SMOOTH_FROM = 5, 20  # rolling mean over 5 steps for curves of 20 points or more
 GATE_ALIASES = {"kl/k3": "kl"}  # the gate watches 'kl', which is kl/k3: its threshold goes on the k3 curve
-OFF_SCALE = 3.0  # a threshold this many times above the curve's top is named, not drawn
+OFF_SCALE = 3.0  # a threshold this many times above the axis's top is named, not drawn
+LEGEND_COLUMN_CHARS = 38  # a legend with a longer label gets one column (two would run past the figure's sides)
 GATE_COLOR = "#cf222e"
 
 
@@ -82,26 +85,35 @@ def plot_history(
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for plot in PLOTS:
-        series = {k: [(m["step"], m[k]) for m in history if k in m and m[k] == m[k]] for k in plot.keys}
-        if not any(series.values()):
+        fig = draw_plot(plot, history, health, gate)
+        if fig is None:
             continue
-        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-        for key, pts in series.items():
-            if pts:
-                color = _draw(ax, key, pts)
-                _threshold(ax, key, pts, color, health)
-        if gate is not None:
-            ax.axvline(gate[0], color=GATE_COLOR, linewidth=1.5, label=f"health gate stopped the run (step {gate[0]})")
-        ax.set(xlabel="step", ylabel=plot.ylabel, title=plot.title)
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))  # no '1e-5' offset over the title
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
         path = out_dir / f"{plot.name}.png"
-        fig.savefig(path)
+        fig.savefig(path, bbox_inches="tight", pad_inches=0.1)  # the whole legend, however long its names
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def draw_plot(plot: Plot, history: list[dict], health: HealthConfig | None = None, gate: tuple[int, str] | None = None):
+    """One plot's matplotlib figure, or None when the history has none of its curves."""
+    series = {k: [(m["step"], m[k]) for m in history if k in m and m[k] == m[k]] for k in plot.keys}
+    if not any(series.values()):
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    colors = {key: _draw(ax, key, pts) for key, pts in series.items() if pts}
+    for key, color in colors.items():  # after every curve, so the axis they share decides what is on it
+        _threshold(ax, key, color, health)
+    if gate is not None:
+        ax.axvline(gate[0], color=GATE_COLOR, linewidth=1.5, label=f"health gate stopped the run (step {gate[0]})")
+    ax.set(xlabel="step", ylabel=plot.ylabel, title=plot.title)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))  # no '1e-5' offset over the title
+    labels = ax.get_legend_handles_labels()[1]
+    ncol = 1 if max(map(len, labels), default=0) > LEGEND_COLUMN_CHARS else 2  # long names: one column
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=ncol, frameon=False)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
 
 
 def _draw(ax, key: str, pts: list[tuple[int, float]]) -> str:
@@ -120,16 +132,17 @@ def _draw(ax, key: str, pts: list[tuple[int, float]]) -> str:
     return line.get_color()
 
 
-def _threshold(ax, key: str, pts: list[tuple[int, float]], color: str, health: HealthConfig | None) -> None:
-    """The health gate's threshold for this curve: a dotted line in its colour, or a legend entry when off scale."""
+def _threshold(ax, key: str, color: str, health: HealthConfig | None) -> None:
+    """The health gate's threshold for this curve: a dotted line in its colour where it is on the axis or near it,
+    a legend entry saying so where it is far above the axis's top (drawing it would flatten every curve)."""
     signal = GATE_ALIASES.get(key, key)
     if health is None or not health.enabled or signal not in GATE_SIGNALS:
         return
     limit = getattr(health, GATE_SIGNALS[signal].field)
     side = "<" if GATE_SIGNALS[signal].below else ">"  # group diversity trips below its threshold
-    top = max(abs(v) for _, v in pts)
+    top = ax.get_ylim()[1]
     if top > 0 and limit > OFF_SCALE * top:
-        ax.plot([], [], color=color, linestyle=":", label=f"gate: {signal} {side} {limit:g} (far above)")
+        ax.plot([], [], color=color, linestyle=":", label=f"gate: {signal} {side} {limit:g} (far above the axis)")
     else:
         ax.axhline(limit, color=color, linestyle=":", linewidth=1.2, label=f"gate: {signal} {side} {limit:g}")
 
@@ -141,9 +154,11 @@ def write_run_report(
     probe: ProbeReport | None,
     links: dict[str, str],
     code: dict | None = None,
+    samples: dict[str, list[dict]] | None = None,
 ) -> Path:
-    """The run's page: what it was, how it ended, before → after, the probe's verdict, the curves. `code`: the
-    Ballast commit that ran it ({commit, dirty})."""
+    """The run's page: what it was, how it ended, before → after, the probe's verdict, the curves, and what the model
+    wrote. `code`: the Ballast commit that ran it ({commit, dirty}); `samples`: {table title: sample rows
+    (trainer/samples.py)}, e.g. the final eval's and the last training step's."""
     code = code or {"commit": "unknown", "dirty": False}
     return render_page(
         "run_report.html",
@@ -154,4 +169,5 @@ def write_run_report(
         links=links,
         code=code,
         commit_url=commit_link(code["commit"]),
+        samples=samples or {},
     )

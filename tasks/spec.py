@@ -116,6 +116,11 @@ class TrackingConfig(Section):
         description="MLflow tracking URI; default sqlite under the project folder. postgresql://... for a team server.",
     )
     experiment: str = Field("ballast", description="MLflow experiment the runs go to (created on first use).")
+    register_as: str | None = Field(
+        None,
+        description="Register a finished run's final checkpoint (logged as the MLflow model 'model' of every run) "
+        "in MLflow's model registry under this name, as a new version.",
+    )
     log_every: int = Field(
         1,
         ge=1,

@@ -5,22 +5,51 @@ the report page and a sweep all read the same numbers."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Literal, get_args
 
 from tasks.eval import EvalResult
 from tasks.probe_report import ProbeReport
 from tasks.train import TrainOutcome
 
 FIRST_LAST = 5  # steps averaged for "reward, first 5 → last 5" (halves of shorter runs)
+STDERR = "_stderr"  # eval/accuracy_stderr: the standard error of eval/accuracy over the held-out prompts
+
+# How a pipeline run stands: running, then one of the endings (the MLflow tag ballast.status holds it too).
+RunStatus = Literal["running", "finished", "collapsed", "pruned", "probe_failed", "failed", "interrupted"]
+# Why training stopped before its last step: the health gate ('collapsed: ...', trainer/health.py) or a sweep's
+# pruner ('pruned: ...', sweeps/pruning.py).
+StopKind = Literal["collapsed", "pruned"]
+STOP_KINDS: tuple[str, ...] = get_args(StopKind)
+
+
+@dataclass(frozen=True)
+class StopReason:
+    """Why training stopped early: what stopped it (`kind`) and what it said (`message`, without the kind)."""
+
+    kind: StopKind
+    message: str
+
+    @classmethod
+    def parse(cls, reason: str | StopReason | None) -> StopReason | None:
+        """The trainer's stop reason ('collapsed: kl=2 > 1 for 2 steps'), read once at the trainer's edge. A reason
+        of no known kind is the health gate's (the trainer stops early for nothing else)."""
+        if reason is None or isinstance(reason, StopReason):
+            return reason
+        kind, sep, message = reason.partition(": ")
+        return cls(kind, message) if sep and kind in STOP_KINDS else cls("collapsed", reason)
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}"
 
 
 @dataclass
 class PipelineResult:
     run_id: str
     output_dir: str
-    status: str  # finished | collapsed | pruned | probe_failed | failed | interrupted
+    status: RunStatus
     spec_name: str = ""
     last_step: int = 0
-    stopped: str | None = None  # the trainer's stop reason ('collapsed: ...', 'pruned: ...')
+    stopped: StopReason | None = None  # why training stopped early (the health gate, a sweep's pruner)
     history: list[dict] = field(default_factory=list, repr=False)
     trainer_seconds: float = 0.0
     seconds: float = 0.0
@@ -48,19 +77,17 @@ class PipelineResult:
         forked_from: str,
         seconds: float,
     ) -> PipelineResult:
-        if outcome.stopped:
-            status = "pruned" if outcome.stopped.startswith("pruned:") else "collapsed"
-        elif probe is not None and not probe.passed:
-            status = "probe_failed"
-        else:
-            status = "finished"
+        stopped = StopReason.parse(outcome.stopped)
+        status: RunStatus = (
+            stopped.kind if stopped else ("probe_failed" if probe is not None and not probe.passed else "finished")
+        )
         return cls(
             run_id=run_id,
             output_dir=output_dir,
             status=status,
             spec_name=spec_name,
             last_step=outcome.last_step,
-            stopped=outcome.stopped,
+            stopped=stopped,
             history=outcome.history,
             trainer_seconds=outcome.trainer_seconds,
             seconds=seconds,
@@ -105,8 +132,21 @@ class PipelineResult:
         d = asdict(self)
         if not with_history:
             d.pop("history")
+        d["stopped"] = str(self.stopped) if self.stopped else None  # 'collapsed: ...', as the trainer said it
         d["final_checkpoint"] = self.final_checkpoint
         return d
+
+    def held_out(self) -> list[tuple[str, str]]:
+        """(metric, 'before → after') per held-out score of the final checkpoint: '0.289 ± 0.040' where the eval
+        gives the score's standard error (eval/accuracy_stderr), 'before training → ' where eval.on_start ran."""
+        out = []
+        for k, v in self.eval.items():
+            if k.endswith(STDERR):
+                continue
+            before = f"{self.eval_start[k]:.3f} before training → " if k in self.eval_start else ""
+            err = self.eval.get(k + STDERR)
+            out.append((k, f"{before}{v:.3f}" + (f" ± {err:.3f}" if err is not None else "")))
+        return out
 
     def lines(self) -> list[str]:
         """The terminal summary: how the run went, before → after, the probe, where things are."""
@@ -115,9 +155,8 @@ class PipelineResult:
             out.append(f"reward (training batches): {self.reward_line()}")
         if self.stopped:
             out.append(f"stopped: {self.stopped}")
-        for k, v in self.eval.items():
-            before = f"{self.eval_start[k]:.3f} before training → " if k in self.eval_start else ""
-            out.append(f"{k} (held out): {before}{v:.3f}")
+        for k, scores in self.held_out():
+            out.append(f"{k} (held out): {scores}")
         if self.probe:
             p = self.probe
             versus = f" ({p['versus']})" if p.get("versus") else ""

@@ -118,7 +118,8 @@ def test_every_deployment_is_registered_with_its_flow(deployed):
     for name in DEPLOYMENTS:
         assert flow_names[deployments[name].id] == name
         module = {"ballast-pipeline": "pipeline", "ballast-regression": "regression"}.get(name, "sweep")
-        assert deployments[name].entrypoint == f"flows/{module}.py:{name.replace('-', '_')}"
+        function = "run_experiment" if name == "ballast-pipeline" else name.replace("-", "_")
+        assert deployments[name].entrypoint == f"flows/{module}.py:{function}"
     assert {d.work_pool_name for d in deployments.values()} == {"ballast-local"}
 
 
@@ -154,3 +155,29 @@ def test_pipeline_deployment_runs_from_this_checkout(deployed):
     assert pipeline.pull_steps == [
         {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO.resolve())}}
     ]
+
+
+def test_the_pipeline_run_form_has_described_parameters_and_nothing_internal():
+    """The Run form is the deployed flow's parameter schema, built as `prefect deploy` builds it."""
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.pipeline import run_experiment
+
+    form = parameter_schema(run_experiment).model_dump()["properties"]
+    assert list(form)[:3] == ["spec", "overrides", "resume_run_id"]
+    assert not {"parent_run_id", "tags", "callbacks", "progress"} & set(form)  # the CLI's and sweeps' internals
+    assert all(field.get("description") for field in form.values())
+    assert form["spec"]["type"] == "string" and form["spec"]["default"] == "examples/quickstart.yaml"
+    assert "experiment YAML" in form["spec"]["description"]
+    assert form["overrides"]["anyOf"][0] == {"type": "array", "items": {"type": "string"}}
+    assert '"key.path=value"' in form["overrides"]["description"]
+    assert "grpo.beta=0.1" in form["overrides"]["description"]
+    assert "MLflow run id" in form["resume_run_id"]["description"]
+
+
+def test_the_deployed_pipeline_form_is_the_one_registered(deployed):
+    deployments, _ = deployed
+    form = deployments["ballast-pipeline"].parameter_openapi_schema["properties"]
+    assert {"spec", "overrides", "resume_run_id"} <= set(form)
+    assert not {"parent_run_id", "tags", "callbacks", "progress"} & set(form)
+    assert all(form[name].get("description") for name in form)

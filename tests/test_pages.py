@@ -17,8 +17,8 @@ from optuna.trial import TrialState, create_trial
 
 from tasks.compare import compare, plot_comparison, write_comparison_html
 from tasks.probe_report import Check, ProbeReport, ProbeSample, PromptResult
-from tasks.report import plot_history, write_run_report
-from tasks.summary import PipelineResult
+from tasks.report import PLOTS, draw_plot, plot_history, write_run_report
+from tasks.summary import PipelineResult, StopReason
 from tests.conftest import REPO
 from trainer.config import HealthConfig
 from trainer.health import REASONS
@@ -133,13 +133,13 @@ def run_report(tmp: Path, steps: int, stopped: str | None = None) -> Path:
         spec_name="quickstart",
         status="collapsed" if stopped else "finished",
         last_step=steps,
-        stopped=stopped,
+        stopped=StopReason.parse(stopped),
         history=hist[1:],
         trainer_seconds=61.234567,
         seconds=92.87654321,
         checkpoints={steps: f"{tmp}/checkpoints/step-{steps:06d}"},
         eval_start={"eval/reward": 0.4123456789, "eval/accuracy": 0.25},
-        eval={"eval/reward": 0.6543210987, "eval/accuracy": 0.625},
+        eval={"eval/reward": 0.6543210987, "eval/accuracy": 0.625, "eval/accuracy_stderr": 0.0401234},
         probe={
             "n_samples": 24,
             "n_malformed": 1,
@@ -152,7 +152,34 @@ def run_report(tmp: Path, steps: int, stopped: str | None = None) -> Path:
         mlflow_url="http://127.0.0.1:5000/#/experiments/1/runs/0123?workflowType=x",
     )
     links = {"spec.yaml": "spec.yaml", "MLflow run": result.mlflow_url, "probe report": "probe/probe_report.html"}
-    return write_run_report(tmp / "report.html", result, plots, None, links, {"commit": "a" * 40, "dirty": True})
+    samples = {
+        "Held-out samples (final checkpoint, step 30)": [
+            {
+                "step": steps,
+                "prompt": "What is 23+58?",
+                "answer": "81",
+                "completion": "<answer>81</answer>",
+                "reward": 1.0,
+                "tokens": 9,
+                "finish_reason": "stop",
+                "truncated": False,
+            },
+        ],
+        "Training samples (last step)": [
+            {
+                "step": steps,
+                "prompt": "What is 7+46?",
+                "answer": "53",
+                "completion": "53 53 53 53 53 53",
+                "reward": 0.10000001,
+                "tokens": 24,
+                "finish_reason": "length",
+                "truncated": True,
+            },
+        ],
+    }
+    code = {"commit": "a" * 40, "dirty": True}
+    return write_run_report(tmp / "report.html", result, plots, None, links, code, samples)
 
 
 def test_run_report_renders_its_summary_and_every_plot(browser, tmp_path):
@@ -165,6 +192,38 @@ def test_run_report_renders_its_summary_and_every_plot(browser, tmp_path):
     assert "Ballast commit aaaaaaaaaaaa with uncommitted changes" in text
     assert page.links()["MLflow run"].startswith("http://127.0.0.1:5000/#/experiments/1/runs/")
     assert page.links()["spec.yaml"] == "spec.yaml"
+
+
+def test_run_report_shows_what_the_model_wrote_and_held_out_uncertainty(browser, tmp_path):
+    page = Page(browser, run_report(tmp_path, steps=30))
+    assert_clean(page)
+    text = page.text
+    assert "eval/accuracy (held out)\t0.250 before training → 0.625 ± 0.040" in text
+    assert "eval/accuracy_stderr" not in text  # shown beside its score, not as a score of its own
+    assert "Held-out samples (final checkpoint, step 30)" in text and "Training samples (last step)" in text
+    rows = re.sub(r"\s+", " ", text)  # a completion is a <pre>: the browser puts it on lines of its own
+    assert "30 What is 23+58? 81 <answer>81</answer> 1 9 stop" in rows
+    assert "30 What is 7+46? 53 53 53 53 53 53 53 0.1 24 length" in rows
+
+
+def test_every_plot_legend_fits_its_figure_and_far_above_means_off_the_axis():
+    """A legend as wide as its longest names would be cut at the figure's sides (the 'engine vs trainer logprob'
+    plot's was); a threshold the axis already spans is drawn, only one far above it is named 'far above'."""
+    hist = history(30)
+    labels = {}
+    for plot in PLOTS:
+        fig = draw_plot(plot, hist, HealthConfig())
+        if fig is None:
+            continue
+        fig.canvas.draw()
+        legend = fig.axes[0].get_legend().get_window_extent()
+        assert 0 <= legend.x0 and legend.x1 <= fig.bbox.width, plot.name
+        labels[plot.name] = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "gate: health/ngram_repetition > 0.6" in labels["health"]  # 0.1 curve, 0.6 share beside it: on the axis
+    assert "gate: completions/clipped_ratio > 0.9" in labels["health"]
+    assert not [label for label in labels["health"] if "far above" in label]
+    assert "gate: kl > 1 (far above the axis)" in labels["kl"]  # a 0.06 curve
+    assert "gate: sampling/sampling_logp_difference/max > 0.5 (far above the axis)" in labels["sampling"]
 
 
 def test_run_report_of_a_collapsed_run_says_why_in_its_banner(browser, tmp_path):

@@ -58,6 +58,13 @@ def task_run_names(flow_run_id) -> dict[str, str]:
     return {r.name.rsplit("-", 1)[0]: r.state.type.value for r in runs}
 
 
+def flow_run_name(state) -> str:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(state.state_details.flow_run_id).name
+
+
 def mlflow_client(project) -> MlflowClient:
     uri = f"sqlite:///{project.resolve() / 'mlflow.db'}"
     mlflow.set_tracking_uri(uri)
@@ -73,7 +80,10 @@ def stage_runs(client, run_id) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def finished_run(tiny_model, tmp_path_factory, prefect):
     project = tmp_path_factory.mktemp("project")
-    state, summary = run(pipeline_spec(tiny_model, project, optim={"steps": 4, "learning_rate": 3e-3}))
+    spec = pipeline_spec(
+        tiny_model, project, optim={"steps": 4, "learning_rate": 3e-3}, tracking={"register_as": "pipeline-test"}
+    )
+    state, summary = run(spec)
     assert state.is_completed(), summary
     return project, state, summary
 
@@ -178,6 +188,7 @@ def test_fork_from_tampered_checkpoint_fails_and_leaves_no_run(tiny_model, finis
     state, result = run(pipeline_spec(tiny_model, project, name="bad-fork", fork={"checkpoint": str(src)}))
     assert state.is_failed()
     assert "stage 'fork' failed" in str(result) and "adapter/adapter_config.json" in str(result)
+    assert flow_run_name(state) == "bad-fork-failed"  # not "bad-fork-starting" for good
     assert len(client.search_runs([client.get_experiment_by_name("ballast").experiment_id])) == before
 
 
@@ -284,3 +295,76 @@ def test_full_finetune_runs_the_whole_pipeline_with_probe_and_eval(tiny_model, t
     assert set(summary["eval"]) >= {"eval/reward", "eval/accuracy"}
     client = mlflow_client(tmp_path)
     assert stage_runs(client, summary["run_id"]) == {s: "FINISHED" for s in STAGES}
+
+
+def test_the_final_checkpoint_is_an_mlflow_model_that_loads_and_decodes_as_the_eval_did(finished_run, tiny_model):
+    project, _, summary = finished_run
+    client = mlflow_client(project)
+    uri = client.get_run(summary["run_id"]).data.tags["ballast.model_uri"]
+    (logged,) = client.search_logged_models([client.get_run(summary["run_id"]).info.experiment_id])
+    assert logged.source_run_id == summary["run_id"] and uri == f"models:/{logged.model_id}"
+    model = mlflow.pyfunc.load_model(uri)
+    assert model.metadata.metadata["base_model"] == str(tiny_model)
+    assert model.metadata.metadata["checkpoint_step"] == 4 and model.metadata.metadata["weights"] == "adapter"
+    rows = [json.loads(line) for line in open(os.path.join(summary["output_dir"], "eval_samples.jsonl"))]
+    final = [r for r in rows if r["step"] == 4][:2]  # the greedy eval of step 4, the final checkpoint
+    texts = model.predict([r["prompt"] for r in final], params={"max_tokens": 24})
+    assert texts == [r["completion"] for r in final] and all(texts)
+
+
+def test_a_finished_run_registers_its_model_under_tracking_register_as(finished_run):
+    project, _, summary = finished_run
+    (version,) = mlflow_client(project).search_model_versions("name = 'pipeline-test'")
+    assert version.run_id == summary["run_id"] and version.version == "1"
+
+
+def test_the_mlflow_run_names_its_prefect_flow_run(finished_run):
+    project, state, summary = finished_run
+    tags = mlflow_client(project).get_run(summary["run_id"]).data.tags
+    assert tags["prefect.flow_run_id"] == str(state.state_details.flow_run_id)
+
+
+def test_the_prompt_sets_are_the_runs_dataset_inputs(finished_run):
+    project, _, summary = finished_run
+    inputs = mlflow_client(project).get_run(summary["run_id"]).inputs.dataset_inputs
+    by_context = {next(t.value for t in i.tags if t.key == "mlflow.data.context"): i.dataset for i in inputs}
+    assert {k: d.name for k, d in by_context.items()} == {
+        "training": "pipeline-test-training",
+        "eval": "pipeline-test-eval",
+    }
+    assert json.loads(by_context["training"].profile)["num_rows"] == 64
+    assert json.loads(by_context["eval"].profile)["num_rows"] == 8
+    assert json.loads(by_context["training"].source)["tags"]["ballast.data.source"] == "arith"
+
+
+def test_the_headline_metrics_open_the_run_pages_charts(finished_run):
+    """MLflow's run page orders chart sections alphabetically, unprefixed metrics last: '_headline/' comes first."""
+    project, _, summary = finished_run
+    client = mlflow_client(project)
+    rid = summary["run_id"]
+    sections = sorted({k.split("/")[0] for k in client.get_run(rid).data.metrics if "/" in k})
+    assert sections[0] == "_headline"
+    for key, copy in (("reward", "reward"), ("kl", "kl"), ("eval/reward", "eval_reward")):
+        original = sorted((m.step, m.value) for m in client.get_metric_history(rid, key))
+        assert sorted((m.step, m.value) for m in client.get_metric_history(rid, f"_headline/{copy}")) == original
+
+
+def test_the_run_report_shows_what_the_model_wrote(finished_run):
+    _, _, summary = finished_run
+    html = open(os.path.join(summary["output_dir"], "report.html")).read()
+    assert "Held-out samples (final checkpoint, step 4)" in html and "Training samples (last step)" in html
+    last = [json.loads(line) for line in open(os.path.join(summary["output_dir"], "samples.jsonl"))][-1]
+    assert last["step"] == 4 and f"<code>{last['prompt']}</code>" in html
+
+
+def test_a_deployment_run_with_a_bad_override_names_overrides_and_its_flow_run_failed(tiny_model, tmp_path, prefect):
+    import yaml
+
+    from flows.pipeline import run_experiment
+
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(pipeline_spec(tiny_model, tmp_path, name="formed")))
+    state = run_experiment(str(path), overrides=["grpo.beta=lots"], return_state=True)
+    message = str(state.result(raise_on_failure=False))
+    assert state.is_failed() and "overrides: grpo.beta=lots" in message and "--set" not in message
+    assert flow_run_name(state) == "formed-failed"

@@ -115,3 +115,49 @@ def test_prefect_has_a_link_to_the_mlflow_run_and_a_markdown_summary(piped_run):
     assert run.info.run_id in artifacts["ballast-viewed-mlflow-run"]["data"]
     summary = artifacts["ballast-viewed-summary"]
     assert summary["type"] == "markdown" and "**Ended: finished.**" in summary["data"]
+
+
+def test_an_in_training_eval_prints_its_line_on_a_terminal_with_its_uncertainty():
+    """On a terminal the bar shows training progress; an eval's held-out scores get a line of their own above it."""
+    import io
+    import logging
+
+    from rich.console import Console
+
+    from flows.view import PipelineView
+
+    screen = io.StringIO()
+    view = PipelineView(
+        50, console=Console(file=screen, force_terminal=True, width=200, highlight=False), log=logging.getLogger("t")
+    )
+    view.on_step(4, {"reward": 0.5, "kl": 0.01})  # a plain step: the bar shows it
+    view.on_step(10, {"reward": 0.5, "eval/accuracy": 0.289, "eval/accuracy_stderr": 0.04, "eval/reward": 0.3})
+    lines = [line for line in screen.getvalue().splitlines() if line.strip()]
+    assert len(lines) == 1
+    assert lines[0].startswith("step 10/50  reward 0.5  eval/accuracy 0.289 ± 0.04  eval/reward 0.3  (")
+
+
+def test_the_final_summary_shows_held_out_scores_with_their_standard_error():
+    from tasks.summary import PipelineResult
+
+    result = PipelineResult(
+        run_id="r",
+        output_dir="/tmp/r",
+        status="finished",
+        eval_start={"eval/accuracy": 0.25},
+        eval={"eval/accuracy": 0.289, "eval/accuracy_stderr": 0.0402, "eval/reward": 0.31},
+    )
+    assert [line for line in result.lines() if "held out" in line] == [
+        "eval/accuracy (held out): 0.250 before training → 0.289 ± 0.040",
+        "eval/reward (held out): 0.310",
+    ]
+
+
+def test_a_stop_reason_is_read_once_into_its_kind_and_message():
+    from tasks.summary import StopReason
+
+    collapsed = StopReason.parse("collapsed: kl=2 > 1 for 2 consecutive steps")
+    assert (collapsed.kind, collapsed.message) == ("collapsed", "kl=2 > 1 for 2 consecutive steps")
+    assert str(collapsed) == "collapsed: kl=2 > 1 for 2 consecutive steps"
+    assert StopReason.parse("pruned: reward=0.1 at step 3") == StopReason("pruned", "reward=0.1 at step 3")
+    assert StopReason.parse(None) is None
