@@ -1,5 +1,6 @@
 """trainer/data.py: built-in sources, .jsonl files, the prompt template and system prompt, render_prompt."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ import yaml
 
 from tasks.spec import SpecError, load_spec
 from trainer.config import DataConfig, RewardConfig
-from trainer.data import SOURCES, chat_messages, load_datasets, read_jsonl, render_prompt
+from trainer.data import SOURCES, chat_messages, load_datasets, read_jsonl, render_prompt, reward_columns
 from trainer.rewards import check_rewards, numbers_in
 
 REPO = Path(__file__).resolve().parent.parent
@@ -229,3 +230,162 @@ def test_shipped_smollm2_example_has_a_held_out_task_rendered_through_its_templa
     assert messages[0] == {"role": "system", "content": data.system_prompt}
     assert messages[1]["content"] == data.prompt_template.format(prompt=train[0].prompt) != train[0].prompt
     assert check_rewards([RewardConfig(**r) for r in spec["rewards"]], spec["eval"].get("reward")) == "numeric_answer"
+
+
+# --- issue 23: the rows a researcher has ----------------------------------------------------------------------
+
+
+def test_chat_messages_rows_are_conversations_and_a_last_assistant_turn_is_the_answer(tmp_path):
+    rows = [
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of Peru?"}]},
+        {"messages": [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris"}]},
+        {"prompt": [{"role": "user", "content": "Capital of Chile?"}], "answer": "Santiago"},  # TRL's chat prompt
+    ]
+    path = write_lines(tmp_path / "d.jsonl", *map(json.dumps, rows))
+    assert [(e.prompt, e.answer) for e in read_jsonl(path)] == [
+        (rows[0]["messages"], ""),
+        ([{"role": "user", "content": "Capital of France?"}], "Paris"),
+        (rows[2]["prompt"], "Santiago"),
+    ]
+
+
+def test_a_conversation_renders_through_the_chat_template_as_it_is(tokenizer):
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of Peru?"}]
+    assert tokenizer.decode(render_prompt(tokenizer, conversation)) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nCapital of Peru?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    user_only = conversation[1:]
+    assert chat_messages(user_only, DataConfig(system_prompt="Answer in one word.")) == [
+        {"role": "system", "content": "Answer in one word."},
+        *user_only,
+    ]
+
+
+@pytest.mark.parametrize(
+    "row, fragment",
+    [
+        ({"messages": [{"role": "user", "content": "a"}], "prompt": "b"}, "has both 'prompt' and 'messages'"),
+        ({"messages": [{"role": "assistant", "content": "a"}]}, "'messages' must end with a user message"),
+        (
+            {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "answer": "c"},
+            "ends with an assistant message and the row has an 'answer' too",
+        ),
+        ({"messages": []}, "'messages' is an empty list"),
+        ({"prompt": "a", "answer": []}, "'answer' is an empty list"),
+        ({"prompt": "a", "answer": ["x", {"y": 1}]}, "'answer'[1] is a dict"),
+        ({"prompt": "a", "answers": "x"}, "a column may not be named 'answers'"),
+    ],
+)
+def test_a_bad_row_is_refused_naming_file_and_line(row, fragment, tmp_path):
+    path = write_lines(tmp_path / "d.jsonl", json.dumps(row))
+    with pytest.raises(ValueError, match=rf"^{path}:1") as e:
+        read_jsonl(path)
+    assert fragment in str(e.value)
+
+
+def test_a_template_cannot_apply_to_conversations(tmp_path):
+    path = write_lines(tmp_path / "d.jsonl", json.dumps({"messages": [{"role": "user", "content": "a"}]}))
+    with pytest.raises(ValueError, match="^data.prompt_template applies to string prompts"):
+        load_datasets(DataConfig(source=str(path), prompt_template="Q: {prompt}"))
+
+
+def test_a_list_of_accepted_answers_is_kept_as_texts(tmp_path):
+    path = write_lines(tmp_path / "d.jsonl", '{"prompt": "Capital of Peru?", "answer": ["Lima", "Lima, Peru", 7]}')
+    assert read_jsonl(path)[0].answer == ["Lima", "Lima, Peru", "7"]
+
+
+def test_other_columns_are_kept_for_the_rewards_and_a_missing_one_is_none(tmp_path):
+    path = write_lines(
+        tmp_path / "d.jsonl",
+        '{"prompt": "a", "answer": "1", "country": "Peru", "difficulty": 2}',
+        '{"prompt": "b", "answer": "2", "country": "Chile"}',
+    )
+    examples = read_jsonl(path)
+    assert [e.columns for e in examples] == [
+        {"country": "Peru", "difficulty": 2},
+        {"country": "Chile", "difficulty": None},
+    ]
+    assert reward_columns(examples, repeat=2) == {
+        "country": ["Peru", "Peru", "Chile", "Chile"],
+        "difficulty": [2, 2, None, None],
+    }
+
+
+def test_a_parquet_file_and_a_saved_datasets_directory_are_read_like_jsonl(tmp_path):
+    import datasets
+
+    rows = [
+        {"prompt": "Capital of Peru?", "answer": ["Lima"], "country": "Peru"},
+        {"prompt": "Capital of Chile?", "answer": ["Santiago"], "country": "Chile"},
+    ]
+    want = [(r["prompt"], r["answer"], {"country": r["country"]}) for r in rows]
+    table = datasets.Dataset.from_list(rows)
+    table.to_parquet(str(tmp_path / "d.parquet"))
+    table.save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": table, "test": table.select([1])}).save_to_disk(str(tmp_path / "splits"))
+    read = lambda examples: [(e.prompt, e.answer, e.columns) for e in examples]  # noqa: E731
+    assert read(load_datasets(DataConfig(source=str(tmp_path / "d.parquet")))[0]) == want
+    assert read(load_datasets(DataConfig(source=str(tmp_path / "saved")))[0]) == want
+    train, held_out = load_datasets(DataConfig(source=str(tmp_path / "splits"), eval_path=str(tmp_path / "splits")))
+    assert (read(train), read(held_out)) == (want, want[1:])
+    with pytest.raises(
+        ValueError, match=r"^data.split='validation': the DatasetDict at .*splits has the splits train, test"
+    ):
+        load_datasets(DataConfig(source=str(tmp_path / "splits"), split="validation"))
+
+
+def test_a_data_path_is_found_from_the_spec_folder_whatever_the_working_directory(tmp_path):
+    folder = tmp_path / "task"
+    folder.mkdir()
+    write_lines(folder / "train.jsonl", '{"prompt": "a", "answer": "1"}')
+    write_lines(folder / "held_out.jsonl", '{"prompt": "b", "answer": "2"}')
+    (folder / "spec.yaml").write_text(
+        "model: {name_or_path: m}\ndata: {source: train.jsonl, eval_path: held_out.jsonl}\n"
+        "rewards: [{name: exact_answer}]\n"
+    )
+    code = (
+        "import sys\nfrom tasks.spec import load_spec\ns = load_spec(sys.argv[1]).data\nprint(s.source, s.eval_path)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, "task/spec.yaml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+    )
+    assert out.stdout.split() == [str(folder / "train.jsonl"), str(folder / "held_out.jsonl")], out.stderr
+
+
+def test_a_data_path_in_neither_place_names_both(tmp_path):
+    (tmp_path / "spec.yaml").write_text("model: {name_or_path: m}\ndata: {source: nowhere.jsonl}\n")
+    with pytest.raises(SpecError, match=r"data.source: data file 'nowhere.jsonl' is neither in the spec's folder \("):
+        load_spec(tmp_path / "spec.yaml")
+
+
+def test_columns_reach_the_reward_in_training_steps_and_evals(tiny_model, tmp_path):
+    from tasks.spec import load_spec as load
+    from tests import reward_fixtures
+    from tests.conftest import tiny_spec
+    from trainer.loop import GRPOTrainer
+
+    rows = [json.dumps({"prompt": f"{a}+{a}", "answer": str(2 * a), "country": f"c{a}"}) for a in range(1, 9)]
+    write_lines(tmp_path / "train.jsonl", *rows)
+    write_lines(tmp_path / "held_out.jsonl", *rows[:2])
+    spec = load(
+        tiny_spec(
+            tiny_model,
+            data={"source": str(tmp_path / "train.jsonl"), "eval_path": str(tmp_path / "held_out.jsonl")},
+            rewards=[{"name": "exact_answer"}, {"name": "tests.reward_fixtures:echo_columns"}],
+            optim={"steps": 1},
+            eval={"every": 1, "max_tokens": 8},
+        )
+    )
+    reward_fixtures.SEEN.clear()
+    trainer = GRPOTrainer(spec.trainer_config(), tmp_path / "run", progress=False)
+    trainer.train()
+    trainer.close()
+    step, evaluation = reward_fixtures.SEEN
+    prompts = [p for i, p in enumerate(step["prompts"]) if i % 4 == 0]  # 2 prompts x 4 completions
+    assert step["country"] == [f"c{p.split('+')[0]}" for p in prompts for _ in range(4)]
+    assert evaluation["country"] == ["c1", "c2"]

@@ -1,5 +1,6 @@
 """trainer/rewards.py: the built-in rewards, resolving 'module:function', and RewardComputer."""
 
+import json
 import os
 import subprocess
 import sys
@@ -489,3 +490,128 @@ def test_rewards_module_does_not_import_torch():
         timeout=60,
     )
     assert out.stdout.strip() == "[]", out.stderr
+
+
+# --- issue 23: what a user's own task needs --------------------------------------------------------------------
+
+
+def user_spec(*rewards, **sections) -> dict:
+    return {"model": {"name_or_path": "m"}, "rewards": list(rewards), **sections}
+
+
+def test_a_misspelt_kwarg_is_refused_though_the_function_takes_kwargs():
+    with pytest.raises(
+        SpecError,
+        match=r"^spec: rewards\[0\]\.kwargs\.tolerence: 'tests.reward_fixtures:reads_kwargs' has no parameter "
+        r"'tolerence', and its \*\*kwargs would swallow it unread; did you mean 'tolerance'\?",
+    ):
+        load_spec(user_spec({"name": "tests.reward_fixtures:reads_kwargs", "kwargs": {"tolerence": 0.1}}))
+
+
+def test_a_kwarg_the_function_names_or_documents_is_accepted():
+    load_spec(user_spec({"name": "tests.reward_fixtures:reads_kwargs", "kwargs": {"tolerance": 0.1}}))
+    fn = resolve(RewardConfig(name="tests.reward_fixtures:reads_documented_kwargs", kwargs={"bonus": 0.5}))
+    assert fn(completions=["a"], answers=["b"], prompts=["c"]) == [0.5]
+
+
+def test_eval_reward_takes_the_module_function_name_as_the_rewards_list_gives_it():
+    name = "tests.reward_fixtures:starts_with_answer"
+    spec = load_spec(user_spec({"name": "format"}, {"name": name}, eval={"reward": name}))
+    assert RewardComputer(spec.rewards).accuracy_name(spec.eval.reward) == "starts_with_answer"
+    assert check_rewards(spec.rewards, name) == "starts_with_answer"
+
+
+def test_eval_reward_naming_two_rewards_asks_for_the_metric_name():
+    name = "tests.reward_fixtures:starts_with_answer"
+    with pytest.raises(
+        SpecError,
+        match=r"eval.reward='tests.reward_fixtures:starts_with_answer' names 2 of the rewards; give the "
+        r"metric name of one \(starts_with_answer_0, starts_with_answer_1\)",
+    ):
+        load_spec(user_spec({"name": name}, {"name": name}, eval={"reward": name}))
+
+
+def test_a_typo_in_a_reward_name_is_reported_against_rewards_not_eval_reward():
+    with pytest.raises(
+        SpecError,
+        match=r"^spec: rewards\[0\]\.name='tests.reward_fixtures:starts_with_answr': module 'tests.reward_fixtures' "
+        r"has no attribute 'starts_with_answr'; did you mean 'tests.reward_fixtures:starts_with_answer'\?",
+    ):
+        load_spec(user_spec({"name": "tests.reward_fixtures:starts_with_answr"}, eval={"reward": "starts_with_answer"}))
+
+
+def test_columns_reach_a_function_that_names_them_or_takes_kwargs_and_never_a_builtin():
+    from tests import reward_fixtures
+
+    rc = RewardComputer(
+        [
+            RewardConfig(name="exact_answer"),
+            RewardConfig(name="tests.reward_fixtures:capital_match"),
+            RewardConfig(name="tests.reward_fixtures:echo_columns"),
+        ]
+    )
+    reward_fixtures.SEEN.clear()
+    total, parts = rc(["Paris", "Rome"], ["Paris", "Lima"], ["France?", "Peru?"], country=["FR", "PE"], tag=["x", "y"])
+    assert parts == {"exact_answer": [0.0, 0.0], "capital_match": [1.0, 0.0], "echo_columns": [1.0, 1.0]}
+    assert reward_fixtures.SEEN == [
+        {"answers": ["Paris", "Lima"], "prompts": ["France?", "Peru?"], "country": ["FR", "PE"], "tag": ["x", "y"]}
+    ]
+
+
+def test_a_column_that_is_also_a_spec_kwarg_is_refused(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "France?", "answer": "Paris", "strict": true}\n')
+    with pytest.raises(
+        SpecError,
+        match=r"rewards\[0\] \(tests.reward_fixtures:capital_match\): data column 'strict' and rewards\[0\]\.kwargs\."
+        r"strict both give 'tests.reward_fixtures:capital_match' its 'strict'; rename the column or drop the kwarg",
+    ):
+        load_spec(
+            user_spec(
+                {"name": "tests.reward_fixtures:capital_match", "kwargs": {"strict": True}}, data={"source": str(data)}
+            )
+        )
+
+
+@pytest.mark.parametrize(
+    "name, completion, kwargs",
+    [
+        ("exact_answer", "<output>Lima, Peru</output>", {}),
+        ("numeric_answer", "It is 1.5", {}),
+        ("boxed_answer", "\\boxed{Lima, Peru}", {}),
+        ("regex_answer", "answer: Lima, Peru", {"pattern": r"answer: (.*)"}),
+    ],
+)
+def test_correctness_builtins_accept_any_of_a_list_of_answers(name, completion, kwargs):
+    answers = ["Lima", "Lima, Peru"] if name != "numeric_answer" else ["2", "1.5"]
+    assert score(
+        name, [completion, "<output>Quito</output> \\boxed{Quito} answer: Quito 7"], [answers] * 2, **kwargs
+    ) == [
+        1.0,
+        0.0,
+    ]
+
+
+def test_a_user_reward_gets_the_accepted_answers_as_the_list():
+    fn = resolve(RewardConfig(name="tests.reward_fixtures:trl_style"))
+    assert fn(completions=["a"], answers=[["a", "b"]], prompts=["p"]) == [0.0]  # its own business what a list means
+
+
+def test_a_required_parameter_may_be_a_column_and_one_neither_given_nor_a_column_is_refused(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "Capital of Peru?", "answer": "Lima", "country": "Peru"}\n')
+    (tmp_path / "caps.py").write_text(
+        "def capital(completions, answers, prompts, country):\n"
+        "    return [float(a in c) for c, a in zip(completions, answers)]\n"
+    )
+    spec = {"model": {"name_or_path": "m"}, "rewards": [{"name": "caps:capital"}], "data": {"source": str(data)}}
+    (tmp_path / "spec.yaml").write_text(json.dumps(spec))
+    load_spec(tmp_path / "spec.yaml")
+    spec["data"] = {"source": "arith"}
+    (tmp_path / "spec.yaml").write_text(json.dumps(spec))
+    with pytest.raises(
+        SpecError,
+        match=r"rewards\[0\]: 'caps:capital' needs 'country', which is neither in rewards\[0\]\.kwargs nor a column "
+        r"of the data \(it has none besides prompt and answer\)",
+    ):
+        load_spec(tmp_path / "spec.yaml")

@@ -335,8 +335,10 @@ def resolve(
     if signature is not None and "group_size" in signature.parameters and "group_size" not in kwargs:
         kwargs["group_size"] = group_size
     if signature is not None:
+        # a user function's required parameters may be the data's columns: checked in RewardComputer.trial
+        bind = signature.bind if name in REGISTRY else signature.bind_partial
         try:
-            signature.bind(completions=[], answers=[], prompts=[], **kwargs)
+            bind(completions=[], answers=[], prompts=[], **kwargs)
         except TypeError as e:
             raise ValueError(
                 f"{where}: {name!r} cannot be called with kwargs={kwargs!r} ({e}); it takes "
@@ -531,6 +533,7 @@ class RewardComputer:
             for i, (name, fn) in enumerate(zip(self.names, self.fns)):
                 if name not in self.user_defined:
                     continue
+                self._refuse_missing(i, fn, columns)
                 try:
                     self._score(name, fn, completions, answers, prompts_, columns)
                 except Exception as e:
@@ -539,6 +542,22 @@ class RewardComputer:
                         f"rewards[{i}]{named}: {e} — found by calling it once, before the model loads, on "
                         f"{len(completions)} placeholder completions of the first {len(examples)} prompts of {field}"
                     ) from None
+
+    def _refuse_missing(self, i: int, fn, columns: dict) -> None:
+        """A required parameter that neither the spec's kwargs nor the data's columns give is refused, naming both."""
+        target, bound = (fn.func, fn.keywords) if isinstance(fn, functools.partial) else (fn, {})
+        try:
+            params = inspect.signature(target).parameters.values()
+        except (TypeError, ValueError):
+            return
+        for p in params:
+            if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+                if p.name not in DATA_PARAMS and p.name not in bound and p.name not in columns:
+                    raise ValueError(
+                        f"rewards[{i}]: {self.given[i]!r} needs {p.name!r}, which is neither in rewards[{i}].kwargs "
+                        f"nor a column of the data ({', '.join(columns) or 'it has none besides prompt and answer'}); "
+                        "give it in kwargs, add the column, or give the parameter a default"
+                    )
 
 
 PLACEHOLDERS = ("{answer}", "", "<output>{answer}</output>", "I am not sure, sorry.", "The answer is {answer}.")
