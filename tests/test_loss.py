@@ -270,7 +270,7 @@ def _accumulated(cfg, parts, with_totals=True):
     return total, logprobs.grad
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "cispo", "sapo", "gmpo"])
 @pytest.mark.parametrize("parts", [2, 4, 8])
 def test_micro_batches_add_up_to_the_whole_batchs_loss_and_gradient(loss_type, parts):
     cfg = GRPOConfig(loss_type=loss_type, beta=0.04, epsilon=0.2)
@@ -281,7 +281,7 @@ def test_micro_batches_add_up_to_the_whole_batchs_loss_and_gradient(loss_type, p
     assert grad[sorted(LEFT_OUT)].abs().sum() == 0  # rows out of the loss get no gradient
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo", "sapo", "gmpo"])
 def test_normalising_each_micro_batch_by_itself_would_change_the_gradient(loss_type):
     """What the trainer did before: each micro-batch normalised by its own tokens (or sequences), divided by
     the number of micro-batches. The split-invariance test above catches exactly this."""

@@ -349,18 +349,53 @@ class GRPOConfig(Section):
     kl_ref_step_lag: int | None = Field(
         None, ge=1, description="Reference = the policy this many steps ago, instead of the base model."
     )
-    loss_type: Literal["grpo", "dr_grpo", "dapo"] = Field(
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "cispo", "sapo", "gmpo"] = Field(
         "dapo",
-        description="grpo: mean over each sequence's tokens, then over the batch's sequences that have loss "
-        "tokens; dr_grpo: token sum / (batch size * rollout.max_tokens); dapo: mean over all loss "
-        "tokens of the batch. Normalisers are the whole batch's, so the loss does not depend on "
-        "optim.gradient_accumulation_steps.",
+        description="grpo, dr_grpo, dapo: the clipped ratio (epsilon, epsilon_high), aggregated as the mean over each "
+        "sequence's tokens, then over the batch's sequences that have loss tokens (grpo); token sum / (batch size * "
+        "rollout.max_tokens) (dr_grpo); mean over all loss tokens of the batch (dapo). The others change the policy "
+        "term too, with their paper's aggregation (TRL's names; trainer/loss.py has the formulas): cispo "
+        "(MiniMax-M1): REINFORCE weighted by the stop-gradient IS weight capped at cispo_max_ratio, mean over all loss "
+        "tokens; sapo (SAPO): a soft sigmoid gate of temperature sapo_temperature_pos / _neg instead of the hard "
+        "clip, aggregated as grpo; gmpo (GMPO): the geometric mean of each sequence's token ratios, clipped in log "
+        "space at gmpo_epsilon / gmpo_epsilon_high, mean over sequences. Normalisers are the whole batch's, so the "
+        "loss does not depend on optim.gradient_accumulation_steps.",
     )
     importance_sampling_level: Literal["token", "sequence"] = Field(
         "token",
         description="sequence: GSPO-style one ratio per sequence (geometric mean of the token ratios); "
-        "only with loss_type grpo, since dapo and dr_grpo sum tokens and would weight "
-        "sequences by length.",
+        "only with loss_type grpo or sapo, since dapo, dr_grpo and cispo sum tokens and would weight "
+        "sequences by length (gmpo takes its own geometric mean of clipped token ratios).",
+    )
+    cispo_max_ratio: float = Field(
+        5.0,
+        ge=1,
+        description="loss_type cispo: cap of the IS weight, sg(min(ratio, cispo_max_ratio)) (MiniMax-M1's "
+        "1 + eps_high^IS with no lower bound; TRL's epsilon_high under cispo, 5.0 as TRL recommends after ScaleRL).",
+    )
+    sapo_temperature_pos: float = Field(
+        1.0,
+        gt=0,
+        description="loss_type sapo: gate temperature tau for tokens with positive advantage (SAPO and TRL: 1.0); "
+        "larger tau gates off-policy tokens faster.",
+    )
+    sapo_temperature_neg: float = Field(
+        1.05,
+        gt=0,
+        description="loss_type sapo: gate temperature tau for tokens with zero or negative advantage (SAPO and TRL: "
+        "1.05, above the positive one: negative updates spread to many tokens and destabilise sooner).",
+    )
+    gmpo_epsilon: float = Field(
+        0.4,
+        gt=0,
+        description="loss_type gmpo: lower clip of each token's log-ratio, in log space: ratios below "
+        "exp(-gmpo_epsilon) are clipped (GMPO and TRL's GMPOConfig: 0.4).",
+    )
+    gmpo_epsilon_high: float | None = Field(
+        None,
+        gt=0,
+        description="loss_type gmpo: upper clip of the log-ratio (ratio above exp(gmpo_epsilon_high)); defaults to "
+        "gmpo_epsilon.",
     )
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="Divide advantages by the reward std of the group, of the batch, or not at all."
@@ -398,6 +433,48 @@ class GRPOConfig(Section):
     @property
     def eps_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def gmpo_eps_high(self) -> float:
+        return self.gmpo_epsilon if self.gmpo_epsilon_high is None else self.gmpo_epsilon_high
+
+    @model_validator(mode="after")
+    def _loss_fields_act_only_with_their_loss_type(self):
+        """A field the chosen loss_type ignores is refused when it differs from its default (a TRL user sets
+        epsilon_high: 5 for cispo; here that would silently do nothing). Compared with the default, not with the
+        fields given, so that a dumped and re-read config passes."""
+        acts_with = {
+            "epsilon": ("grpo", "dr_grpo", "dapo"),
+            "epsilon_high": ("grpo", "dr_grpo", "dapo"),
+            "cispo_max_ratio": ("cispo",),
+            "sapo_temperature_pos": ("sapo",),
+            "sapo_temperature_neg": ("sapo",),
+            "gmpo_epsilon": ("gmpo",),
+            "gmpo_epsilon_high": ("gmpo",),
+        }
+        instead = {
+            "cispo": "grpo.cispo_max_ratio caps its IS weight",
+            "sapo": "grpo.sapo_temperature_pos / _neg shape its soft gate",
+            "gmpo": "grpo.gmpo_epsilon / gmpo_epsilon_high clip its log-ratios",
+        }
+        for name, types in acts_with.items():
+            value = getattr(self, name)
+            if self.loss_type not in types and value != type(self).model_fields[name].default:
+                fix = (
+                    f"{instead[self.loss_type]}"
+                    if self.loss_type in instead
+                    else f"it acts only with grpo.loss_type: {' or '.join(types)}"
+                )
+                raise ValueError(
+                    f"grpo.{name}={value:g} does nothing with grpo.loss_type: {self.loss_type} ({fix}); remove it"
+                )
+        if self.loss_type == "gmpo" and self.importance_sampling_level == "sequence":
+            raise ValueError(
+                "grpo.importance_sampling_level: sequence with grpo.loss_type: gmpo: GMPO already takes one ratio "
+                "per sequence, the geometric mean of its clipped token ratios; set grpo.importance_sampling_level: "
+                "token"
+            )
+        return self
 
 
 class RolloutConfig(Section):
@@ -723,7 +800,7 @@ class TrainerConfig(Section):
     @model_validator(mode="after")
     def _sequence_ratio_with_a_per_sequence_loss(self):
         g = self.grpo
-        if g.importance_sampling_level == "sequence" and g.loss_type != "grpo":
+        if g.importance_sampling_level == "sequence" and g.loss_type not in ("grpo", "sapo"):
             raise ValueError(
                 f"grpo.importance_sampling_level: sequence with grpo.loss_type: {g.loss_type} weights each sequence by "
                 f"its length ({g.loss_type} sums the tokens that share the sequence's ratio); set grpo.loss_type: grpo "

@@ -2,6 +2,27 @@
 
     per_token = -min(ratio * A, clip(ratio, 1 - epsilon, 1 + eps_high) * A) * w + beta * KL_estimate
 
+`loss_type` grpo, dapo and dr_grpo differ only in the aggregation below. Three more replace the clipped term
+with their paper's (r = ratio, A = advantage, sg = stop-gradient, w = rollout correction, |o_i| = the tokens of
+sequence i, sums over loss tokens; tests/test_loss_variants.py checks each against a direct transcription of the
+formula and against TRL's code):
+
+- **cispo** (CISPO, MiniMax-M1, arXiv 2506.13585): REINFORCE weighted by the clipped, stop-gradient IS weight, so
+  a clipped token still has a gradient (scaled), unlike PPO's clip that drops it:
+      J = 1 / sum_i |o_i| * sum_i sum_t sg(min(r_it, cispo_max_ratio)) * A_i * log pi_theta(o_it)
+  (the paper's clip(r, 1 - eps_low^IS, 1 + eps_high^IS) with no lower bound, as the paper sets it; TRL's
+  `loss_type='cispo'`). Token-mean aggregation over the batch, as dapo.
+- **sapo** (Soft Adaptive Policy Optimization, arXiv 2511.20347): a sigmoid gate instead of the hard clip,
+      J = 1/G sum_i 1/|o_i| sum_t f(r_it) A_i,   f(x) = sigmoid(tau (x - 1)) * 4 / tau,
+  tau = sapo_temperature_pos if A_i > 0 else sapo_temperature_neg. Its gradient weight 4 s (1 - s) r (s the
+  sigmoid) is exactly the policy gradient at r = 1 and fades smoothly off-policy. Aggregated as grpo.
+- **gmpo** (Geometric-Mean Policy Optimization, arXiv 2507.20673): the geometric mean of the token terms,
+      J = 1/G sum_i ( prod_t |min(r_it A_i, clip(r_it, e^-gmpo_epsilon, e^gmpo_epsilon_high) A_i)| )^(1/|o_i|) sgn(A_i)
+  computed in log space as A_i * exp(mean_t clipped log r_it) (log r clipped one-sidedly by the sign of A, PPO's
+  min written in logs, as the paper's code and TRL's GMPOTrainer). One term per sequence, mean over sequences;
+  the KL is each sequence's token mean (as TRL). The rollout correction enters the geometric mean as a token
+  factor (exp(mean_t (clipped log r_it + log w_it))), and a token mis masks drops out of it.
+
 The choices made here (every option is a field of `GRPOConfig`, documented there):
 
 - **Ratio** = exp(logprobs - old_logprobs) per token, where old_logprobs (pi_old) are the trainer's own
@@ -16,8 +37,9 @@ The choices made here (every option is a field of `GRPOConfig`, documented there
 - **Aggregation over the whole batch.** A step's batch may be split into micro-batches; each call returns
   its micro-batch's exact share of the whole batch's loss, using `BatchTotals` of the whole batch, so the
   shares add up to the same loss and gradient however the batch is split. 'grpo' averages each
-  sequence's tokens, then the sequences that have loss tokens; 'dapo' averages all loss tokens; 'dr_grpo'
-  divides the token sum by rows * max_completion_length. Masked (mis) tokens stay in the normalisers.
+  sequence's tokens, then the sequences that have loss tokens (so does 'sapo'; 'gmpo' averages its per-sequence
+  terms over the same sequences); 'dapo' (and 'cispo') averages all loss tokens; 'dr_grpo' divides the token sum
+  by rows * max_completion_length. Masked (mis) tokens stay in the normalisers.
 - **Masks**: `completion_mask` is 1 for tokens that count in the loss; rows left out (truncated,
   zero-std groups) are all zero. Values at masked positions are ignored, even NaN; NaN in `old_logprobs`
   at a real token raises.
@@ -55,8 +77,9 @@ class LossTerms:
     """Detached per-token terms of one call, [B, T] (sequence-level values repeated over their tokens)."""
 
     ratio: Tensor  # pi_theta / pi_old
-    clipped_low: Tensor  # bool: ratio < 1 - epsilon with A < 0
-    clipped_high: Tensor  # bool: ratio > 1 + eps_high with A > 0
+    clipped_low: Tensor  # bool: ratio < 1 - epsilon with A < 0 (gmpo: log-ratio < -gmpo_epsilon; cispo, sapo: none)
+    clipped_high: Tensor  # bool: ratio > 1 + eps_high with A > 0 (gmpo: log-ratio > gmpo_eps_high; cispo: ratio >
+    #                       cispo_max_ratio, TRL's cispo_clip_ratio; sapo: none, its gate is soft)
     kl: dict[str, Tensor] | None  # k1, k2, k3 when ref_logprobs were given
 
     @staticmethod
@@ -165,31 +188,73 @@ def grpo_loss(
         log_ratio = ((log_ratio * mask_f).sum(dim=1) / tokens_per_seq.clamp(min=1)).unsqueeze(1)  # [B, 1]
     ratio = torch.exp(log_ratio).expand_as(logprobs)  # [B, T]
 
-    # ---- clipped surrogate, weighted by the rollout correction -----------------------------------
-    low, high = 1 - cfg.epsilon, 1 + cfg.eps_high
     adv = advantages.to(logprobs.dtype).unsqueeze(1)  # [B, 1]
-    per_token_loss = -torch.min(ratio * adv, torch.clamp(ratio, low, high) * adv) * weight
+    kl = kl_estimators(logprobs, ref_logprobs) if ref_logprobs is not None else None
+    if cfg.loss_type == "gmpo":
+        loss, clipped_low, clipped_high = _gmpo(log_ratio, adv, mask, weight, kl, tokens_per_seq, totals, cfg)
+        return loss, _terms(ratio, clipped_low, clipped_high, kl)
+
+    # ---- the policy term of each token, weighted by the rollout correction -----------------------
+    none = torch.zeros_like(mask)
+    if cfg.loss_type == "cispo":
+        per_token_loss = -torch.clamp(ratio, max=cfg.cispo_max_ratio).detach() * adv * logprobs
+        clipped_low, clipped_high = none, (ratio > cfg.cispo_max_ratio) & (adv > 0)
+    elif cfg.loss_type == "sapo":
+        tau = torch.full_like(adv, cfg.sapo_temperature_neg).masked_fill(adv > 0, cfg.sapo_temperature_pos)
+        per_token_loss = -torch.sigmoid(tau * (ratio - 1)) * (4 / tau) * adv
+        clipped_low, clipped_high = none, none
+    else:  # the clipped surrogate
+        low, high = 1 - cfg.epsilon, 1 + cfg.eps_high
+        per_token_loss = -torch.min(ratio * adv, torch.clamp(ratio, low, high) * adv)
+        clipped_low, clipped_high = (ratio < low) & (adv < 0), (ratio > high) & (adv > 0)
+    per_token_loss = per_token_loss * weight
 
     # ---- KL penalty (not for tokens the correction masked) ---------------------------------------
-    kl = kl_estimators(logprobs, ref_logprobs) if ref_logprobs is not None else None
     if cfg.beta > 0:
         per_token_loss = per_token_loss + cfg.beta * kl[cfg.kl_estimator] * (weight > 0)
 
     # ---- this batch's share of the whole batch's loss --------------------------------------------
     masked_loss = per_token_loss * mask_f
-    if cfg.loss_type == "grpo":
+    if cfg.loss_type in ("grpo", "sapo"):
         per_seq = masked_loss.sum(dim=1) / tokens_per_seq.clamp(min=1)
         loss = per_seq.sum() / max(totals.sequences, 1)
-    elif cfg.loss_type == "dapo":
+    elif cfg.loss_type in ("dapo", "cispo"):
         loss = masked_loss.sum() / max(totals.tokens, 1)
     else:  # dr_grpo
         loss = masked_loss.sum() / (totals.rows * max_completion_length)
+    return loss, _terms(ratio, clipped_low, clipped_high, kl)
 
-    with torch.no_grad():
-        terms = LossTerms(
-            ratio=ratio.detach(),
-            clipped_low=(ratio < low) & (adv < 0),
-            clipped_high=(ratio > high) & (adv > 0),
-            kl=None if kl is None else {k: v.detach() for k, v in kl.items()},
+
+def _gmpo(
+    log_ratio: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    weight: Tensor,
+    kl: dict[str, Tensor] | None,
+    tokens_per_seq: Tensor,
+    totals: BatchTotals,
+    cfg: GRPOConfig,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """GMPO's share of the loss (module docstring), and its clip flags. log_ratio is per token ([B, T])."""
+    bound = torch.clamp(log_ratio, -cfg.gmpo_epsilon, cfg.gmpo_eps_high)
+    clipped_log_ratio = torch.where(adv > 0, torch.minimum(log_ratio, bound), torch.maximum(log_ratio, bound))
+    kept = mask & (weight > 0)  # tokens in the geometric mean: a token mis masked drops out
+    n_kept = kept.sum(dim=1)
+    log_w = torch.log(torch.where(kept, weight, torch.ones_like(weight)))
+    log_mean = torch.where(kept, clipped_log_ratio + log_w, 0.0).sum(dim=1) / n_kept.clamp(min=1)
+    per_seq = torch.where(n_kept > 0, -torch.exp(log_mean) * adv[:, 0], 0.0)  # [B]
+    if cfg.beta > 0:
+        per_seq = per_seq + cfg.beta * torch.where(kept, kl[cfg.kl_estimator], 0.0).sum(dim=1) / tokens_per_seq.clamp(
+            min=1
         )
-    return loss, terms
+    loss = per_seq.sum() / max(totals.sequences, 1)
+    return loss, (log_ratio < -cfg.gmpo_epsilon) & (adv < 0), (log_ratio > cfg.gmpo_eps_high) & (adv > 0)
+
+
+def _terms(ratio: Tensor, clipped_low: Tensor, clipped_high: Tensor, kl: dict[str, Tensor] | None) -> LossTerms:
+    return LossTerms(
+        ratio=ratio.detach(),
+        clipped_low=clipped_low.detach(),
+        clipped_high=clipped_high.detach(),
+        kl=None if kl is None else {k: v.detach() for k, v in kl.items()},
+    )

@@ -51,11 +51,13 @@ METRICS: dict[str, str] = {
     "entropy": "Mean per-token entropy of the policy at the sampling temperature over loss tokens, before the "
     "step's first update.",
     "clip_ratio/low_mean": "Share of loss tokens (of sequences, with importance_sampling_level: sequence) whose ratio "
-    "fell below 1 - epsilon with negative advantage (clipped).",
+    "fell below 1 - epsilon with negative advantage (clipped). loss_type gmpo: log-ratio below -gmpo_epsilon (TRL's "
+    "GMPO); cispo and sapo: 0 (no lower clip; sapo's gate is soft).",
     "clip_ratio/low_min": "Smallest per-completion share of tokens clipped low (the sequence's own flag at "
     "sequence level).",
     "clip_ratio/high_mean": "Share of loss tokens (or sequences) whose ratio rose above 1 + epsilon_high with positive "
-    "advantage (clipped).",
+    "advantage (clipped). loss_type gmpo: log-ratio above gmpo_epsilon_high; cispo: ratio above cispo_max_ratio, "
+    "its IS weight capped (TRL's cispo_clip_ratio); sapo: 0.",
     "clip_ratio/high_max": "Largest per-completion share of tokens clipped high.",
     "clip_ratio/region_mean": "Share of loss tokens (or sequences) clipped either way.",
     "policy_ratio/mean": "Mean pi_theta / pi_old over loss tokens, the ratio that is clipped; pi_old is the trainer's "
