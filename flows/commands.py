@@ -11,8 +11,12 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flows.errors import UserError
+
+if TYPE_CHECKING:  # for annotations only: a command imports what it needs when it runs
+    from tasks.spec import ExperimentSpec
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,7 +61,7 @@ def cmd_run(args) -> int:
     return _run_pipeline(project_dir, spec, overrides, args.resume)
 
 
-def _refuse_changed_resume(args, resumed) -> None:
+def _refuse_changed_resume(args, resumed: ExperimentSpec) -> None:
     """A resume runs the spec the run started with; a SPEC that differs from it is refused."""
     from tasks.spec import load_spec, spec_hash
 
@@ -79,14 +83,14 @@ def _first_difference(a, b, prefix: str = "") -> str:
     return "" if a == b else f"{prefix.rstrip('.')}: {b!r} in the run, {a!r} here"
 
 
-def _check_resume(spec, output_dir: Path) -> None:
+def _check_resume(spec: ExperimentSpec, output_dir: Path) -> None:
     """The checkpoint the resume starts from is verified before Prefect or a model starts (CheckpointError: exit 2)."""
     from tasks.train import check_resumable
 
     check_resumable(spec, output_dir)
 
 
-def _check_fork(spec) -> None:
+def _check_fork(spec: ExperimentSpec) -> None:
     """A fork source that does not exist is refused with one line, before Prefect starts (its verification, which
     loads the model, runs in the flow's fork stage)."""
     if spec.fork.run_id is None and spec.fork.checkpoint is None:
@@ -116,7 +120,7 @@ def cmd_validate(args) -> int:
     return _validated(spec, args.spec)
 
 
-def _validated(spec, path: str) -> int:
+def _validated(spec: ExperimentSpec, path: str) -> int:
     """The few lines that say what a checked spec will run (validate, run --dryrun)."""
     from trainer.config import reward_component_names
     from trainer.data import load_datasets
@@ -181,7 +185,7 @@ def _run_pipeline(project_dir: str, spec: str, overrides: list[str], resume_run_
     return 0 if result.status == "finished" else 3
 
 
-def _check_tracking(spec_path: str, overrides: list[str]):
+def _check_tracking(spec_path: str, overrides: list[str]) -> ExperimentSpec:
     """The spec, once its http(s) tracking server answered: standard library only, seconds before any import."""
     from infra.mlflow_server import TrackingUnavailable, check_tracking
     from tasks.spec import load_spec
@@ -194,7 +198,7 @@ def _check_tracking(spec_path: str, overrides: list[str]):
     return spec
 
 
-def _check_store(spec) -> None:
+def _check_store(spec: ExperimentSpec) -> None:
     """The spec's artifact store can be written (a short check: StoreUnavailable exits 1, a bad bucket or
     credentials 2)."""
     from infra.store import BucketNotFound, StoreUnavailable
@@ -226,7 +230,7 @@ def _spec_file_of_run(given: str, spec_path: str | None, project_dir: str) -> tu
     return run_id, out / "spec.yaml"
 
 
-def _finished(spec, run_id: str) -> str | None:
+def _finished(spec: ExperimentSpec, run_id: str) -> str | None:
     """What to say instead of resuming a run that already finished (None: it did not)."""
     from tasks.record import Tracking
 
@@ -267,7 +271,9 @@ def cmd_train(args) -> int:
     spec = load_spec(args.spec, args.set + ([f"optim.steps={args.steps}"] if args.steps is not None else []))
     check_runnable(spec)
     out = Path(args.output or Path(spec.project_dir) / "runs" / spec.name)
-    if not args.resume and any((out / "checkpoints").glob("step-*")):
+    from tasks.checkpoint import list_checkpoints  # the checkpoint format's one home is trainer/checkpoint.py
+
+    if not args.resume and list_checkpoints(out / "checkpoints"):
         raise UserError(
             f"{out} already holds checkpoints; pass --resume to continue that run, or --output a new directory"
         )
@@ -452,8 +458,8 @@ def cmd_compare(args) -> int:
             raise UserError(f"{name}: {e}") from None
     (report_a, history_a), (report_b, history_b) = sides
     result = compare(report_a, report_b, alpha=args.alpha, labels=(args.label_a or "A", args.label_b or "B"))
-    result["a"]["source"], result["b"]["source"] = args.a, args.b
-    print(result["summary"])
+    result.a.source, result.b.source = args.a, args.b
+    print(result.summary)
     plots = []
     if args.plots or args.html:
         plots = plot_comparison(result, Path(args.plots or Path(args.html).with_suffix("")), history_a, history_b)
@@ -461,12 +467,12 @@ def cmd_compare(args) -> int:
             print(f"plots:  {', '.join(str(p) for p in plots)}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        Path(args.json).write_text(json.dumps(result.to_dict(), indent=1))
         print(f"result: {args.json}")
     if args.html:
         write_comparison_html(result, args.html, plots, {"A": args.a, "B": args.b})
         print(f"page:   {args.html}")
-    return 1 if result["regression"] else 0
+    return 1 if result.regression else 0
 
 
 def _check_compare_tracking(args) -> None:
@@ -520,10 +526,10 @@ def cmd_regress(args) -> int:
         alpha=args.alpha,
         work_dir=args.work_dir,
     )
-    print(result["summary"])
-    print(f"report: {result['html']}")
-    print(f"MLflow run: {result['run_id']}")
-    return 1 if result["regression"] else 0
+    print(result.summary)
+    print(f"report: {result.html}")
+    print(f"MLflow run: {result.run_id}")
+    return 1 if result.regression else 0
 
 
 def cmd_sweep(args) -> int:

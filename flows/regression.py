@@ -15,7 +15,14 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.record import record_regression
-from tasks.regression import compare_sides, plan_regression, probe_or_error, train_at_ref, worktrees
+from tasks.regression import (
+    RegressionResult,
+    compare_sides,
+    plan_regression,
+    probe_or_error,
+    train_at_ref,
+    worktrees,
+)
 
 NO_RESULT = dict(cache_policy=NO_CACHE, persist_result=False)
 train_at_ref_task = task(train_at_ref, name="train-at-ref", **NO_RESULT)
@@ -33,7 +40,7 @@ def ballast_regression(
     overrides: list[str] | None = None,
     alpha: float = 0.01,
     work_dir: str | None = None,
-) -> dict:
+) -> RegressionResult:
     plan = plan_regression(spec, refs, runs, steps, repo, overrides or [], work_dir)
     with worktrees(plan) as sides:
         for side in sides:
@@ -52,6 +59,6 @@ def ballast_regression(
     for side in plan.sides:
         side.reports = [probe_task(r["checkpoint"], plan.spec, plan.work / "cache") for r in side.runs]
     result = compare_sides(plan, alpha)
-    result["run_id"] = record_task(plan.spec, result, plan.work)
-    print(result["summary"])
+    result.run_id = record_task(plan.spec, result, plan.work)
+    print(result.summary)
     return result

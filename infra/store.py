@@ -37,7 +37,7 @@ from botocore.config import Config
 from botocore.exceptions import ClientError, HTTPClientError, NoCredentialsError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
-from trainer.checkpoint import CheckpointError, verify_files
+from trainer.checkpoint import MANIFEST, CheckpointError, verify_files
 
 # --- S3 client and calls ------------------------------------------------------------------------
 
@@ -166,7 +166,6 @@ def _exists(client, bucket: str, key: str) -> bool:
     return _head(client, bucket, key) is not None
 
 
-MANIFEST = "manifest.json"
 TMP_MARK = ".ballast-tmp-"  # names of staging / moved-aside directories; never listed
 
 

@@ -19,10 +19,11 @@ normal (a healthy checkpoint has 0 malformed). Verdict at `alpha` (default 0.01)
 Each side's rate comes with its Wilson interval. The one-line verdict (`format_verdict`) reads e.g.
 "regression: B malformed 35/72 (48.6%) vs A 0/108 (0.0%), Fisher exact p=1.8e-17 (one-sided, alpha 0.01)".
 
+`compare()` returns a `Comparison` (its `to_dict()` is the JSON `ballast compare --json` writes).
 `pool_reports()` adds up the probe reports of k runs of one side (the regression flow's k runs per
-code ref) into one report-shaped dict. `plot_comparison()` draws the malformed rates with their
-intervals and, when training histories are known (metrics.jsonl of runs, MLflow metric history),
-the metric curves of A and B side by side.
+code ref) into one report-shaped dict, which `compare()` takes as it takes a single report.
+`plot_comparison()` draws the malformed rates with their intervals and, when training histories are
+known (metrics.jsonl of runs, MLflow metric history), the metric curves of A and B side by side.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import matplotlib
@@ -42,12 +44,14 @@ from tasks.probe import probe_checkpoint, wilson_interval  # noqa: E402
 from tasks.probe_report import CI_LEVEL, REPORT_KIND  # noqa: E402
 from tasks.record import default_tracking_uri, probe_report_of_run  # noqa: E402
 from tasks.spec import ProbeConfig  # noqa: E402
-from trainer.checkpoint import MANIFEST, list_checkpoints  # noqa: E402
+from trainer.checkpoint import MANIFEST, is_checkpoint, list_checkpoints  # noqa: E402
+from trainer.config import LoraConfig, ModelConfig  # noqa: E402
 from trainer.health import REASONS  # noqa: E402
 
 COMPARISON_KIND = "ballast-comparison"
 POOLED_KIND = "ballast-probe-pool"
 DEFAULT_ALPHA = 0.01
+ALTERNATIVE = "less: A's odds of a malformed sample are lower than B's (B is worse)"
 RUN_ID_RE = re.compile(r"[0-9a-f]{32}")
 # training curves drawn side by side: (metric, title)
 CURVES = [
@@ -105,7 +109,59 @@ def pool_reports(reports: list[dict], label: str = "") -> dict:
     }
 
 
-def _side(report: dict, label: str) -> dict:
+@dataclass
+class ComparedSide:
+    """One side of a comparison: its counts, its malformed rate with the Wilson interval, parity."""
+
+    label: str
+    n_samples: int
+    n_malformed: int
+    malformed_rate: float
+    malformed_ci: list[float]
+    parity_ok: bool
+    n_reports: int  # artifacts probed: 1 for a single report, k for a pooled one
+    n_parity_failed: int
+    passed: bool
+    reason_counts: dict[str, int]
+    source: str | list | None  # the checkpoint(s) the report is of, or what the user gave
+
+
+@dataclass
+class Comparison:
+    """Is B worse than A? The 2x2 table, the one-sided Fisher exact test, parity, and the verdict."""
+
+    a: ComparedSide
+    b: ComparedSide
+    table: list[list[int]]  # [[A malformed, A fine], [B malformed, B fine]]
+    odds_ratio: float
+    p_value: float
+    alpha: float
+    rate_regression: bool  # B is malformed more often than A, p < alpha
+    parity_regression: bool  # B's artifacts fail parity while A's pass
+    test: str = "fisher_exact"
+    alternative: str = ALTERNATIVE
+    ci_level: float = CI_LEVEL
+    schema_version: int = 1
+    kind: str = COMPARISON_KIND
+
+    @property
+    def regression(self) -> bool:
+        return self.rate_regression or self.parity_regression
+
+    @property
+    def verdict(self) -> str:
+        return "regression" if self.regression else "no regression"
+
+    @property
+    def summary(self) -> str:
+        return format_verdict(self)
+
+    def to_dict(self) -> dict:
+        """The JSON form (`ballast compare --json`, comparison.json): every field, the verdict and its line."""
+        return {**asdict(self), "regression": self.regression, "verdict": self.verdict, "summary": self.summary}
+
+
+def _side(report: dict, label: str) -> ComparedSide:
     for key in ("n_samples", "n_malformed"):
         if not isinstance(report.get(key), int):
             raise ValueError(
@@ -115,22 +171,22 @@ def _side(report: dict, label: str) -> dict:
     n, bad = report["n_samples"], report["n_malformed"]
     n_reports = report.get("n_reports", 1)
     n_parity_failed = report.get("n_parity_failed", 0 if report.get("parity_ok") else 1)
-    return {
-        "label": report.get("label") or label,
-        "n_samples": n,
-        "n_malformed": bad,
-        "malformed_rate": bad / n if n else 0.0,
-        "malformed_ci": wilson_interval(bad, n),
-        "parity_ok": bool(report.get("parity_ok")),
-        "n_reports": n_reports,
-        "n_parity_failed": n_parity_failed,
-        "passed": bool(report.get("passed")),
-        "reason_counts": report.get("reason_counts") or {},
-        "source": report.get("checkpoint") or report.get("checkpoints"),
-    }
+    return ComparedSide(
+        label=report.get("label") or label,
+        n_samples=n,
+        n_malformed=bad,
+        malformed_rate=bad / n if n else 0.0,
+        malformed_ci=wilson_interval(bad, n),
+        parity_ok=bool(report.get("parity_ok")),
+        n_reports=n_reports,
+        n_parity_failed=n_parity_failed,
+        passed=bool(report.get("passed")),
+        reason_counts=report.get("reason_counts") or {},
+        source=report.get("checkpoint") or report.get("checkpoints"),
+    )
 
 
-def compare(a: dict, b: dict, alpha: float = DEFAULT_ALPHA, labels: tuple[str, str] = ("A", "B")) -> dict:
+def compare(a: dict, b: dict, alpha: float = DEFAULT_ALPHA, labels: tuple[str, str] = ("A", "B")) -> Comparison:
     """Is B worse than A? One-sided Fisher's exact test on malformed counts, and parity (see the module docstring)."""
     from scipy.stats import fisher_exact
 
@@ -138,45 +194,33 @@ def compare(a: dict, b: dict, alpha: float = DEFAULT_ALPHA, labels: tuple[str, s
         raise ValueError(f"alpha={alpha} must be between 0 and 1 (e.g. 0.01)")
     sa, sb = _side(a, labels[0]), _side(b, labels[1])
     table = [
-        [sa["n_malformed"], sa["n_samples"] - sa["n_malformed"]],
-        [sb["n_malformed"], sb["n_samples"] - sb["n_malformed"]],
+        [sa.n_malformed, sa.n_samples - sa.n_malformed],
+        [sb.n_malformed, sb.n_samples - sb.n_malformed],
     ]
     odds_ratio, p_value = fisher_exact(table, alternative="less")
-    rate_regression = bool(p_value < alpha)
-    parity_regression = sa["parity_ok"] and not sb["parity_ok"]
-    result = {
-        "schema_version": 1,
-        "kind": COMPARISON_KIND,
-        "a": sa,
-        "b": sb,
-        "table": table,
-        "test": "fisher_exact",
-        "alternative": "less: A's odds of a malformed sample are lower than B's (B is worse)",
-        "odds_ratio": float(odds_ratio),
-        "p_value": float(p_value),
-        "alpha": alpha,
-        "ci_level": CI_LEVEL,
-        "rate_regression": rate_regression,
-        "parity_regression": parity_regression,
-        "regression": rate_regression or parity_regression,
-    }
-    result["verdict"] = "regression" if result["regression"] else "no regression"
-    result["summary"] = format_verdict(result)
-    return result
-
-
-def format_verdict(result: dict) -> str:
-    """One line: the verdict, both malformed counts and rates, the p-value (and a parity regression, if any)."""
-    a, b = result["a"], result["b"]
-    la, lb = a["label"], b["label"]
-    line = (
-        f"{result['verdict']}: {lb} malformed {b['n_malformed']}/{b['n_samples']} ({b['malformed_rate']:.1%}) vs "
-        f"{la} {a['n_malformed']}/{a['n_samples']} ({a['malformed_rate']:.1%}), Fisher exact p={result['p_value']:.2g} "
-        f"(one-sided, alpha {result['alpha']:g})"
+    return Comparison(
+        a=sa,
+        b=sb,
+        table=table,
+        odds_ratio=float(odds_ratio),
+        p_value=float(p_value),
+        alpha=alpha,
+        rate_regression=bool(p_value < alpha),
+        parity_regression=sa.parity_ok and not sb.parity_ok,
     )
-    if result["parity_regression"]:
+
+
+def format_verdict(result: Comparison) -> str:
+    """One line: the verdict, both malformed counts and rates, the p-value (and a parity regression, if any)."""
+    a, b = result.a, result.b
+    line = (
+        f"{result.verdict}: {b.label} malformed {b.n_malformed}/{b.n_samples} ({b.malformed_rate:.1%}) vs "
+        f"{a.label} {a.n_malformed}/{a.n_samples} ({a.malformed_rate:.1%}), Fisher exact p={result.p_value:.2g} "
+        f"(one-sided, alpha {result.alpha:g})"
+    )
+    if result.parity_regression:
         line += (
-            f"; {lb} fails parity in {b['n_parity_failed']} of {b['n_reports']} artifact(s) while {la} passes "
+            f"; {b.label} fails parity in {b.n_parity_failed} of {b.n_reports} artifact(s) while {a.label} passes "
             "(reloaded weights differ from those saved)"
         )
     return line
@@ -196,9 +240,9 @@ def read_history(metrics_file: Path) -> list[dict] | None:
 def resolve_target(
     x: str,
     *,
-    probe_cfg=None,
-    model_cfg=None,
-    lora_cfg=None,
+    probe_cfg: ProbeConfig | None = None,
+    model_cfg: ModelConfig | None = None,
+    lora_cfg: LoraConfig | None = None,
     cache_dir: Path | None = None,
     tracking_uri: str | None = None,
 ) -> tuple[dict, list[dict] | None]:
@@ -232,7 +276,7 @@ def resolve_target(
             )
         return report, None
     if path.is_dir():
-        if (path / MANIFEST).is_file():
+        if is_checkpoint(path):
             return probe(str(path)), read_history(path.parent.parent / "metrics.jsonl")
         if (path / "checkpoints").is_dir():
             found = list_checkpoints(path / "checkpoints")
@@ -269,24 +313,24 @@ def _name(letter: str, label: str) -> str:
     return (letter if label in ("", letter) else f"{letter}: {label}")[:30]
 
 
-def plot_comparison(result: dict, out_dir: Path, history_a=None, history_b=None) -> list[Path]:
+def plot_comparison(result: Comparison, out_dir: Path, history_a=None, history_b=None) -> list[Path]:
     """rates.png (malformed rate with its Wilson interval, A vs B) and, when histories are given,
     curves.png (training metrics of A and B side by side, one thin line per run)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     colors = ("#1f77b4", "#d62728")
-    sides = (result["a"], result["b"])
+    sides = (result.a, result.b)
     fig, ax = plt.subplots(figsize=(5, 3.4), dpi=100)
     for i, (s, color) in enumerate(zip(sides, colors)):
-        lo, hi = s["malformed_ci"]
-        rate = s["malformed_rate"]
+        lo, hi = s.malformed_ci
+        rate = s.malformed_rate
         ax.bar(i, rate, color=color, alpha=0.7)
         ax.errorbar(i, rate, yerr=[[rate - lo], [hi - rate]], color="black", capsize=8)
-        ax.text(i, hi + 0.02, f"{s['n_malformed']}/{s['n_samples']}", ha="center", fontsize=9)
-    ax.set_xticks([0, 1], [_name("A", sides[0]["label"]), _name("B", sides[1]["label"])], fontsize=8)
+        ax.text(i, hi + 0.02, f"{s.n_malformed}/{s.n_samples}", ha="center", fontsize=9)
+    ax.set_xticks([0, 1], [_name("A", sides[0].label), _name("B", sides[1].label)], fontsize=8)
     ax.set_ylim(0, 1.1)
-    ax.set_ylabel(f"malformed rate ({result.get('ci_level', CI_LEVEL):.0%} Wilson CI)")
-    ax.set_title(f"{result['verdict']} (Fisher one-sided p={result['p_value']:.2g})", fontsize=10)
+    ax.set_ylabel(f"malformed rate ({result.ci_level:.0%} Wilson CI)")
+    ax.set_title(f"{result.verdict} (Fisher one-sided p={result.p_value:.2g})", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     paths = [out_dir / "rates.png"]
@@ -306,7 +350,7 @@ def plot_comparison(result: dict, out_dir: Path, history_a=None, history_b=None)
                             color=color,
                             alpha=0.8,
                             linewidth=1,
-                            label=_name("A" if side is sides[0] else "B", side["label"]) if k == 0 else None,
+                            label=_name("A" if side is sides[0] else "B", side.label) if k == 0 else None,
                         )
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("step")
@@ -320,6 +364,8 @@ def plot_comparison(result: dict, out_dir: Path, history_a=None, history_b=None)
     return paths
 
 
-def write_comparison_html(result: dict, path: str | Path, plots: list[Path] = (), extra: dict | None = None) -> Path:
+def write_comparison_html(
+    result: Comparison, path: str | Path, plots: list[Path] = (), extra: dict | None = None
+) -> Path:
     """A self-contained page: the verdict line, both sides' counts and intervals, the test, the plots."""
     return render_page("comparison.html", path, r=result, plots=[Path(p) for p in plots], extra=extra or {})

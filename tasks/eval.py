@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tasks.checkpoint import fetch_checkpoint
+from tasks.spec import ExperimentSpec
 from trainer.data import load_datasets
 from trainer.evaluate import score_held_out
 from trainer.rewards import RewardComputer
@@ -27,7 +28,7 @@ class EvalResult:
     per_prompt: dict[str, list[float]] = field(default_factory=dict, repr=False)  # reward/accuracy/length per prompt
 
 
-def eval_checkpoint(spec, checkpoint_uri: str, cache_dir: Path) -> EvalResult:
+def eval_checkpoint(spec: ExperimentSpec, checkpoint_uri: str, cache_dir: Path) -> EvalResult:
     checkpoint = fetch_checkpoint(checkpoint_uri, cache_dir)
     model, tokenizer = checkpoint.load_policy(spec.model, spec.lora)
     _, held_out = load_datasets(spec.data)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from infra.store import open_store
 from tasks.checkpoint import fetch_checkpoint
+from tasks.spec import ExperimentSpec
 from trainer.checkpoint import Checkpoint, CheckpointError, parse_step_dir, step_dir_name
 from trainer.config import InputError
 from trainer.model import compare_fingerprint, load_policy, model_identity
@@ -45,13 +46,13 @@ class ForkSource:
         return f"{self.parent_run_id or self.checkpoint_uri} step {self.parent_step}"
 
 
-def fork(spec, checkpoint_prefix_of: Callable[[str], str]) -> ForkSource:
+def fork(spec: ExperimentSpec, checkpoint_prefix_of: Callable[[str], str]) -> ForkSource:
     """Find, fetch and verify the fork source named in `spec.fork` (the base model alone when it names none).
     `checkpoint_prefix_of(run_id)` gives a pipeline run's checkpoint location in the store (tasks/record.py)."""
     return verify_fork(spec, resolve_fork(spec, checkpoint_prefix_of))
 
 
-def resolve_fork(spec, checkpoint_prefix_of: Callable[[str], str]) -> ForkSource:
+def resolve_fork(spec: ExperimentSpec, checkpoint_prefix_of: Callable[[str], str]) -> ForkSource:
     f = spec.fork
     if f.run_id is None and f.checkpoint is None:
         return ForkSource()
@@ -86,7 +87,7 @@ def resolve_fork(spec, checkpoint_prefix_of: Callable[[str], str]) -> ForkSource
     )
 
 
-def verify_fork(spec, source: ForkSource) -> ForkSource:
+def verify_fork(spec: ExperimentSpec, source: ForkSource) -> ForkSource:
     """Load the source as the new run will, and check it reproduces the stored fingerprint."""
     if source.checkpoint is None:
         return source

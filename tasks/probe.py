@@ -47,6 +47,7 @@ from transformers import AutoTokenizer
 
 from tasks.checkpoint import fetch_checkpoint
 from tasks.probe_report import CI_LEVEL, Baseline, Check, ProbeReport, ProbeSample, PromptResult
+from tasks.spec import ProbeConfig
 from trainer.checkpoint import Checkpoint, CheckpointError
 from trainer.config import DataConfig, LoraConfig, ModelConfig, RewardConfig
 from trainer.data import load_datasets, render_prompt
@@ -125,7 +126,7 @@ def held_out_prompts(data: DataConfig, k: int) -> tuple[list[dict], str]:
     return [{"prompt": e.prompt, "answer": e.answer, "expected_length": None} for e in chosen], source
 
 
-def choose_prompts(cfg, data: DataConfig | None) -> tuple[list[dict], str]:
+def choose_prompts(cfg: ProbeConfig, data: DataConfig | None) -> tuple[list[dict], str]:
     """(prompts, where they came from): probe.prompts_file, else the experiment's held-out prompts."""
     if cfg.prompts_file:
         return load_probe_prompts(cfg.prompts_file), str(cfg.prompts_file)
@@ -167,7 +168,7 @@ def _signature_parameter(fn, name: str) -> str | None:
     return parameter.default if parameter is not None and isinstance(parameter.default, str) else None
 
 
-def format_tag_for(cfg, rewards: list[RewardConfig] | None) -> str | None:
+def format_tag_for(cfg: ProbeConfig, rewards: list[RewardConfig] | None) -> str | None:
     """The tag completions must hold: probe.format_tag when given (False: none), else the rewards' tag."""
     if cfg.format_tag is False:
         return None
@@ -248,19 +249,14 @@ def _short(value) -> str:
     return str(value)[:16]
 
 
-def _check_adapter_config(local: Path, manifest: dict) -> Check:
-    trained = manifest.get("lora")
-    path = local / "adapter" / "adapter_config.json"
-    if not trained or not path.is_file():
-        return Check(True, "no LoRA settings in the manifest or no adapter_config.json; not checked")
+def _check_adapter_config(checkpoint: Checkpoint) -> Check:
+    trained = checkpoint.lora
     try:
-        saved = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        return Check(
-            False,
-            f"adapter/adapter_config.json is not valid JSON ({e}); the adapter config was corrupted "
-            "— restore it from the run",
-        )
+        saved = checkpoint.adapter_config() if trained else None
+    except CheckpointError as e:
+        return Check(False, f"{e}; the adapter config was corrupted — restore it from the run")
+    if saved is None:
+        return Check(True, "no LoRA settings in the manifest or no adapter_config.json; not checked")
     problems = []
     if saved.get("r") != trained.get("r"):
         problems.append(f"r={saved.get('r')} but the run trained with lora.r={trained.get('r')}")
@@ -361,7 +357,7 @@ def base_model_of(checkpoint_uri: str, cache_dir: Path, device: str = "auto") ->
 
 def probe_checkpoint(
     checkpoint_uri: str,
-    cfg,
+    cfg: ProbeConfig,
     model_cfg: ModelConfig | None = None,
     cache_dir: Path | None = None,
     lora_cfg: LoraConfig | None = None,
@@ -380,39 +376,88 @@ def probe_checkpoint(
     data, rewards = data or trained_data, rewards if rewards is not None else trained_rewards
     prompts, prompt_source = choose_prompts(cfg, data)
     model_cfg = model_cfg or model_config_from_manifest(checkpoint.manifest)
-    lora_cfg = lora_cfg or LoraConfig()
+    artifact = _load_checked(checkpoint, checkpoint_uri, model_cfg, lora_cfg or LoraConfig(), prompts, data, cfg)
+    tag = format_tag_for(cfg, rewards)
+    settings = _settings(cfg, tag, prompt_source, data, artifact.device)
+    baseline_cache = Path(baseline_cache) if baseline_cache is not None else DEFAULT_BASELINE_CACHE
+    sampled = _sample_and_classify(artifact, prompts, data, tag, cfg, cache_dir, baseline_cache)
+    return _report(checkpoint_uri, artifact, sampled, settings, cfg, time.perf_counter() - started)
+
+
+@dataclass
+class _Artifact:
+    """The checkpoint loaded into a fresh model, and what the checks before sampling found."""
+
+    checkpoint: Checkpoint
+    model: object  # None once released (`release`)
+    tokenizer: object
+    device: torch.device
+    model_cfg: ModelConfig
+    lora_cfg: LoraConfig
+    identity: dict  # model_identity(model_cfg): the base model loaded here
+    checks: dict[str, Check]  # base_model, adapter_config, tokenizer, parity
+    parity_diff: float | None
+
+    def release(self) -> None:
+        """Drop the model (the baseline and the checkpoint have been sampled; classification needs no model)."""
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+@dataclass
+class _Sampled:
+    """The checkpoint's completions classified, and its baseline's summary (None without `compare_to_base`)."""
+
+    samples: list[ProbeSample]
+    per_prompt: list[PromptResult]
+    baseline: Baseline | None
+
+
+def _load_checked(
+    checkpoint: Checkpoint,
+    uri: str,
+    model_cfg: ModelConfig,
+    lora_cfg: LoraConfig,
+    prompts: list[dict],
+    data: DataConfig | None,
+    cfg: ProbeConfig,
+) -> _Artifact:
+    """Steps 2-4 of the module docstring: identity checks, the fresh load, the tokenizer check, parity."""
     identity = model_identity(model_cfg)
     checks = {
         "base_model": _check_base_model(checkpoint.manifest, model_cfg, identity),
-        "adapter_config": _check_adapter_config(checkpoint.path, checkpoint.manifest),
+        "adapter_config": _check_adapter_config(checkpoint),
     }
-    model, tokenizer, checks["tokenizer"] = _load_fresh(
-        checkpoint, checkpoint_uri, model_cfg, lora_cfg, checks, prompts, data
-    )
+    model, tokenizer, checks["tokenizer"] = _load_fresh(checkpoint, uri, model_cfg, lora_cfg, checks, prompts, data)
     device = next(model.parameters()).device
     checks["parity"], parity_diff = _check_parity(
         model, tokenizer, device, checkpoint.fingerprint, cfg.parity_tolerance
     )
-    rendered = [render_prompt(tokenizer, p["prompt"], data) for p in prompts]
-    groups = _sample(model, tokenizer, device, rendered, cfg)
-    baseline = None
-    if cfg.compare_to_base:
-        where = (cache_dir, Path(baseline_cache) if baseline_cache is not None else DEFAULT_BASELINE_CACHE)
-        loaded = (model, tokenizer, device)
-        baseline = _baseline(checkpoint, *loaded, model_cfg, lora_cfg, identity, rendered, cfg, *where)
-    del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    tag = format_tag_for(cfg, rewards)
+    return _Artifact(checkpoint, model, tokenizer, device, model_cfg, lora_cfg, identity, checks, parity_diff)
+
+
+def _sample_and_classify(
+    artifact: _Artifact,
+    prompts: list[dict],
+    data: DataConfig | None,
+    tag: str | None,
+    cfg: ProbeConfig,
+    cache_dir: Path,
+    baseline_cache: Path,
+) -> _Sampled:
+    """Step 5: the checkpoint and its baseline sampled on the same rendered prompts, every completion classified."""
+    rendered = [render_prompt(artifact.tokenizer, p["prompt"], data) for p in prompts]
+    groups = _sample(artifact.model, artifact.tokenizer, artifact.device, rendered, cfg)
+    baseline = _baseline(artifact, rendered, cfg, cache_dir, baseline_cache) if cfg.compare_to_base else None
+    artifact.release()
     expected = _expected_lengths(prompts, cfg, baseline.groups if baseline else None)
     samples, per_prompt = _classify(prompts, groups, expected, tag, cfg)
-    settings = _settings(cfg, tag, prompt_source, data, device)
     summary = _baseline_summary(baseline, prompts, expected, tag, cfg, samples) if baseline else None
-    found = (checks, parity_diff, samples, per_prompt, summary, settings)
-    return _report(checkpoint_uri, checkpoint, model_cfg, cfg, *found, time.perf_counter() - started)
+    return _Sampled(samples, per_prompt, summary)
 
 
-def _settings(cfg, tag: str | None, prompt_source: str, data: DataConfig | None, device) -> dict:
+def _settings(cfg: ProbeConfig, tag: str | None, prompt_source: str, data: DataConfig | None, device) -> dict:
     """What the probe ran with, as the report records it."""
     return {
         "n": cfg.n,
@@ -531,7 +576,7 @@ class Generated:
     finish_reason: str
 
 
-def _sample(model, tokenizer, device, rendered: list[list[int]], cfg) -> list[list[Generated]]:
+def _sample(model, tokenizer, device, rendered: list[list[int]], cfg: ProbeConfig) -> list[list[Generated]]:
     """Every rendered prompt sampled cfg.n times in one seeded batch."""
     params = SamplingParams(n=cfg.n, max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=cfg.seed)
     groups = HFEngine(model, tokenizer, device).generate(rendered, params)
@@ -547,22 +592,12 @@ class _Baseline:
 
 
 def _baseline(
-    checkpoint: Checkpoint,
-    model,
-    tokenizer,
-    device,
-    model_cfg: ModelConfig,
-    lora_cfg: LoraConfig,
-    identity: dict,
-    rendered: list[list[int]],
-    cfg,
-    cache_dir: Path,
-    baseline_cache: Path,
+    artifact: _Artifact, rendered: list[list[int]], cfg: ProbeConfig, cache_dir: Path, baseline_cache: Path
 ) -> _Baseline:
     """The starting point's completions on the same prompts with the same settings: the fork's parent checkpoint,
     else the base model; from the cache when it holds them, else sampled and cached."""
     parent, note = None, None
-    parent_uri = (checkpoint.manifest.get("lineage") or {}).get("fork_checkpoint")
+    parent_uri = (artifact.checkpoint.manifest.get("lineage") or {}).get("fork_checkpoint")
     if parent_uri:
         try:
             parent = fetch_checkpoint(str(parent_uri), cache_dir)
@@ -570,16 +605,16 @@ def _baseline(
             note = f"the fork's parent {parent_uri} could not be read ({e}); compared with the base model instead"
     if parent is not None:
         who = f"fork parent {parent_uri} (step {parent.step})"
-        whose = {"base": identity, "parent_files": _digest(parent.manifest.get("files"))}
+        whose = {"base": artifact.identity, "parent_files": _digest(parent.manifest.get("files"))}
     else:
-        who, whose = f"base model {model_cfg.name_or_path}", {"base": identity}
+        who, whose = f"base model {artifact.model_cfg.name_or_path}", {"base": artifact.identity}
     settings = {
         "n": cfg.n,
         "max_tokens": cfg.max_tokens,
         "temperature": cfg.temperature,
         "seed": cfg.seed,
-        "device": device.type,
-        "dtype": str(next(model.parameters()).dtype),
+        "device": artifact.device.type,
+        "dtype": str(next(artifact.model.parameters()).dtype),
         "engine": "hf",
     }
     key = _digest({"version": BASELINE_CACHE_VERSION, "model": whose, "prompts": rendered, "settings": settings})
@@ -590,7 +625,7 @@ def _baseline(
             return _Baseline(who, [[Generated(**g) for g in group] for group in stored["groups"]], True, note)
         except (OSError, ValueError, KeyError, TypeError):
             pass  # an unreadable cache entry is sampled again and replaced
-    groups = _sample_baseline(checkpoint, parent, model, tokenizer, device, model_cfg, lora_cfg, rendered, cfg)
+    groups = _sample_baseline(artifact, parent, rendered, cfg)
     baseline_cache.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(
@@ -608,19 +643,13 @@ def _baseline(
 
 
 def _sample_baseline(
-    checkpoint: Checkpoint,
-    parent: Checkpoint | None,
-    model,
-    tokenizer,
-    device,
-    model_cfg: ModelConfig,
-    lora_cfg: LoraConfig,
-    rendered,
-    cfg,
+    artifact: _Artifact, parent: Checkpoint | None, rendered: list[list[int]], cfg: ProbeConfig
 ) -> list[list[Generated]]:
-    if parent is None and checkpoint.adapter_dir is not None and hasattr(model, "disable_adapter"):
+    model, tokenizer, device = artifact.model, artifact.tokenizer, artifact.device
+    if parent is None and artifact.checkpoint.adapter_dir is not None and hasattr(model, "disable_adapter"):
         with model.disable_adapter():  # the base model itself, without a second load
             return _sample(model, tokenizer, device, rendered, cfg)
+    model_cfg, lora_cfg = artifact.model_cfg, artifact.lora_cfg
     if parent is not None:
         start, _ = parent.load_policy(model_cfg, lora_cfg)
     else:
@@ -635,7 +664,7 @@ def _digest(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
-def _expected_lengths(prompts: list[dict], cfg, base_groups) -> list[int | None]:
+def _expected_lengths(prompts: list[dict], cfg: ProbeConfig, base_groups) -> list[int | None]:
     """Per prompt, the characters a normal answer takes ('too_long' beyond length_factor x): the prompt file's
     expected_length, else probe.expected_length, else the baseline's median length on that prompt."""
     out = []
@@ -648,7 +677,7 @@ def _expected_lengths(prompts: list[dict], cfg, base_groups) -> list[int | None]
 
 
 def _classify(
-    prompts: list[dict], groups: list[list[Generated]], expected: list[int | None], tag: str | None, cfg
+    prompts: list[dict], groups: list[list[Generated]], expected: list[int | None], tag: str | None, cfg: ProbeConfig
 ) -> tuple[list[ProbeSample], list[PromptResult]]:
     samples, per_prompt = [], []
     for i, (p, group) in enumerate(zip(prompts, groups)):
@@ -686,7 +715,9 @@ def _classify(
     return samples, per_prompt
 
 
-def _baseline_summary(baseline: _Baseline, prompts, expected, tag, cfg, samples: list[ProbeSample]) -> Baseline:
+def _baseline_summary(
+    baseline: _Baseline, prompts, expected, tag, cfg: ProbeConfig, samples: list[ProbeSample]
+) -> Baseline:
     base_samples, base_prompts = _classify(prompts, baseline.groups, expected, tag, cfg)
     n, bad = len(base_samples), sum(s.malformed for s in base_samples)
     ours = sum(s.malformed for s in samples)
@@ -707,27 +738,18 @@ def _baseline_summary(baseline: _Baseline, prompts, expected, tag, cfg, samples:
 
 
 def _report(
-    uri,
-    checkpoint: Checkpoint,
-    model_cfg,
-    cfg,
-    checks: dict,
-    parity_diff,
-    samples,
-    per_prompt,
-    baseline: Baseline | None,
-    settings: dict,
-    seconds: float,
+    uri: str, artifact: _Artifact, sampled: _Sampled, settings: dict, cfg: ProbeConfig, seconds: float
 ) -> ProbeReport:
+    checkpoint, checks, samples, per_prompt = artifact.checkpoint, artifact.checks, sampled.samples, sampled.per_prompt
     n, bad = len(samples), sum(s.malformed for s in samples)
     rate, ci = bad / n, wilson_interval(bad, n)
     reason_counts = {r: sum(p.reason_counts[r] for p in per_prompt) for r in REASONS}
-    failures = _failures(checks, bad, n, ci, reason_counts, baseline, cfg)
+    failures = _failures(checks, bad, n, ci, reason_counts, sampled.baseline, cfg)
     return ProbeReport(
         checkpoint=str(uri),
         local_path=str(checkpoint.path),
         step=checkpoint.step,
-        base_model=model_cfg.name_or_path,
+        base_model=artifact.model_cfg.name_or_path,
         trained_on=checkpoint.base_model.get("name_or_path"),
         code_ref=checkpoint.code_ref,
         created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -739,18 +761,20 @@ def _report(
         malformed_ci=ci,
         reason_counts=reason_counts,
         parity_ok=checks["parity"].ok,
-        parity_max_diff=parity_diff,
+        parity_max_diff=artifact.parity_diff,
         parity_tolerance=cfg.parity_tolerance,
         checks=checks,
         failures=failures,
         per_prompt=per_prompt,
         samples=samples,
         settings=settings,
-        baseline=baseline,
+        baseline=sampled.baseline,
     )
 
 
-def _failures(checks: dict, bad: int, n: int, ci: list[float], reason_counts: dict, baseline, cfg) -> list[str]:
+def _failures(
+    checks: dict, bad: int, n: int, ci: list[float], reason_counts: dict, baseline: Baseline | None, cfg: ProbeConfig
+) -> list[str]:
     """Why the probe fails: the checks that did not pass, the absolute cap, the significant excess over the
     baseline; [] when it passes."""
     rate = bad / n

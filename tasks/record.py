@@ -34,6 +34,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlflow
 from mlflow.entities import Param
@@ -55,6 +56,10 @@ from trainer.data import data_fingerprint, load_datasets
 from trainer.loop import Callbacks
 from trainer.metrics import METRICS  # noqa: F401  (the glossary of what is logged: `ballast metrics`)
 from trainer.samples import EVAL_SAMPLES_FILE, SAMPLES_FILE, read_rows
+
+if TYPE_CHECKING:  # tasks/compare.py and tasks/regression.py import this module: types only, not imports
+    from tasks.compare import Comparison
+    from tasks.regression import RegressionResult
 
 TAG = "ballast."
 EXPERIMENT_KIND = "custom_model_development"  # mlflow.experimentKind: a model-training experiment, not GenAI
@@ -379,10 +384,7 @@ class RunRecorder:
         checkpoint = Checkpoint.open(checkpoint_dir, verify=False)
         staged = self.output_dir / "mlflow-model"
         shutil.rmtree(staged, ignore_errors=True)
-        for part in ("adapter", "model", "tokenizer"):
-            if (checkpoint.path / part).is_dir():
-                shutil.copytree(checkpoint.path / part, staged / "checkpoint" / part)
-        shutil.copy2(checkpoint.path / "manifest.json", staged / "checkpoint" / "manifest.json")
+        checkpoint.copy_for_inference(staged / "checkpoint")
         spec = self.spec
         config = {
             "model": spec.model.model_dump(mode="json") | {"device": "auto"},  # wherever it is loaded
@@ -681,9 +683,7 @@ def _requirements() -> list[str]:
 
 
 def _manifest_digest(checkpoint: Checkpoint) -> str:
-    import hashlib
-
-    return hashlib.sha256((checkpoint.path / "manifest.json").read_bytes()).hexdigest()[:16]
+    return checkpoint.manifest_sha256()[:16]
 
 
 def run_name(spec_name: str, run_id: str) -> str:
@@ -701,23 +701,23 @@ def _user() -> str:
 # ── a regression comparison ────────────────────────────────────────────────────────────────────────
 
 
-def record_regression(spec, result: dict, work: Path) -> str:
+def record_regression(spec: ExperimentSpec, result: RegressionResult, work: Path) -> str:
     """One MLflow run for a regression comparison (tasks/regression.py); returns its id."""
     tracking = Tracking(spec)
-    a, b = result["refs"]["a"], result["refs"]["b"]
+    a, b = result.refs["a"], result.refs["b"]
     run_id = tracking.create_run(f"regression {a['ref']} vs {b['ref']}")
     try:
         note = (
             f"**Regression check**: `{spec.name}` trained on `{a['ref']}` (A, `{a['commit'][:12]}`) and "
-            f"`{b['ref']}` (B, `{b['commit'][:12]}`), {result['runs']} run(s) each, every final artifact probed.\n\n"
-            f"**Verdict: {result['verdict']}.** {result['summary']}\n\nPage: artifact `comparison.html`."
+            f"`{b['ref']}` (B, `{b['commit'][:12]}`), {result.runs} run(s) each, every final artifact probed.\n\n"
+            f"**Verdict: {result.verdict}.** {result.summary}\n\nPage: artifact `comparison.html`."
         )
         tracking.set_tags(
             run_id,
             {
                 "kind": "regression",
-                "verdict": result["verdict"],
-                "status": result["verdict"],
+                "verdict": result.verdict,
+                "status": result.verdict,
                 "ref_a": a["ref"][:40],
                 "ref_b": b["ref"][:40],
                 "spec_hash": spec_hash(spec),
@@ -732,10 +732,10 @@ def record_regression(spec, result: dict, work: Path) -> str:
                 "ref_b": b["ref"],
                 "commit_a": a["commit"],
                 "commit_b": b["commit"],
-                "runs": str(result["runs"]),
-                "steps": str(result["steps"] or spec.optim.steps),
-                "alpha": str(result["alpha"]),
-                "repo": result["repo"],
+                "runs": str(result.runs),
+                "steps": str(result.steps or spec.optim.steps),
+                "alpha": str(result.comparison.alpha),
+                "repo": result.repo,
                 "probe.n": str(spec.probe.n),
                 "probe.temperature": str(spec.probe.temperature),
                 "probe.max_tokens": str(spec.probe.max_tokens),
@@ -743,13 +743,13 @@ def record_regression(spec, result: dict, work: Path) -> str:
                 "ballast.work_dir": str(work),
             },
         )
-        metrics = _regression_metrics(result)
+        metrics = _regression_metrics(result.comparison)
         for k, v in metrics.items():
             tracking.client.log_metric(run_id, k, float(v))
         for name in ("pooled_a.json", "pooled_b.json", "comparison.json", "comparison.html", "spec.yaml"):
             tracking.client.log_artifact(run_id, str(work / name))
         tracking.client.log_artifacts(run_id, str(work / "probes"), "probes")
-        for p in result.get("plots", []):
+        for p in result.plots:
             tracking.client.log_artifact(run_id, str(p), "plots")
     except BaseException:
         tracking.client.set_terminated(run_id, "FAILED")
@@ -976,19 +976,18 @@ def probe_report_of_run(uri: str, run_id: str, curves: list[str]) -> tuple[dict,
     return report, [by_step[s] for s in sorted(by_step)] or None
 
 
-def _regression_metrics(result: dict) -> dict[str, float]:
+def _regression_metrics(comparison: Comparison) -> dict[str, float]:
     """The comparison's numbers, each side's suffixed _a or _b."""
-    metrics = {"p_value": result["p_value"], "regression": float(result["regression"])}
-    for side in ("a", "b"):
-        s = result[side]
+    metrics = {"p_value": comparison.p_value, "regression": float(comparison.regression)}
+    for side, s in (("a", comparison.a), ("b", comparison.b)):
         metrics.update(
             {
-                f"malformed_rate_{side}": s["malformed_rate"],
-                f"malformed_ci_low_{side}": s["malformed_ci"][0],
-                f"malformed_ci_high_{side}": s["malformed_ci"][1],
-                f"n_malformed_{side}": s["n_malformed"],
-                f"n_samples_{side}": s["n_samples"],
-                f"parity_failed_{side}": s["n_parity_failed"],
+                f"malformed_rate_{side}": s.malformed_rate,
+                f"malformed_ci_low_{side}": s.malformed_ci[0],
+                f"malformed_ci_high_{side}": s.malformed_ci[1],
+                f"n_malformed_{side}": s.n_malformed,
+                f"n_samples_{side}": s.n_samples,
+                f"parity_failed_{side}": s.n_parity_failed,
             }
         )
     return metrics

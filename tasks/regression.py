@@ -10,7 +10,8 @@ by this checkout's probe, the two sides compared (flows/regression.py runs them 
    of each final checkpoint must be the ref's commit — proof the ref's code wrote it.
 4. Every final checkpoint is probed here, so both sides are judged by the same detectors; an artifact that cannot
    be loaded counts as a failed probe that fails parity.
-5. The reports are pooled per ref and compared (tasks/compare.py: one-sided Fisher exact test, parity).
+5. The reports are pooled per ref and compared (tasks/compare.py: one-sided Fisher exact test, parity); the
+   answer is a `RegressionResult`, written as comparison.json.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from pathlib import Path
 
 import yaml
 
-from tasks.compare import compare, plot_comparison, pool_reports, read_history, write_comparison_html
+from tasks.compare import Comparison, compare, plot_comparison, pool_reports, read_history, write_comparison_html
 from tasks.probe import ProbeError, probe_checkpoint
 from tasks.probe_report import ProbeFailure
-from tasks.spec import load_spec, set_path
-from trainer.checkpoint import list_checkpoints
+from tasks.spec import ExperimentSpec, load_spec, set_path
+from trainer.checkpoint import Checkpoint, CheckpointError, list_checkpoints
 from trainer.model import ensure_model
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -55,13 +56,52 @@ class Side:
 
 @dataclass
 class RegressionPlan:
-    spec: object  # the validated ExperimentSpec both refs train
+    spec: ExperimentSpec  # the validated spec both refs train
     spec_file: Path
     work: Path
     repo: Path
     sides: list[Side]
     runs: int
     steps: int | None
+
+
+@dataclass
+class RegressionResult:
+    """What a regression run found: the comparison of the two refs' pooled probes, and where its outputs are."""
+
+    comparison: Comparison  # A is side "a" (the reference), B side "b" (the candidate)
+    refs: dict[str, dict[str, str]]  # {"a": {"ref", "commit"}, "b": {"ref", "commit"}}
+    runs: int  # training runs per ref
+    steps: int | None  # training steps per run (None: the spec's optim.steps)
+    spec: str  # the spec file both refs trained
+    repo: str
+    work_dir: str
+    plots: list[str] = field(default_factory=list)
+    html: str | None = None  # comparison.html
+    run_id: str | None = None  # the MLflow comparison run, once recorded (tasks/record.py: record_regression)
+
+    @property
+    def regression(self) -> bool:
+        return self.comparison.regression
+
+    @property
+    def verdict(self) -> str:
+        return self.comparison.verdict
+
+    @property
+    def summary(self) -> str:
+        return self.comparison.summary
+
+    def to_dict(self) -> dict:
+        """comparison.json: the comparison's fields at the top level, then the refs and how they were trained."""
+        return {
+            **self.comparison.to_dict(),
+            "refs": self.refs,
+            "runs": self.runs,
+            "steps": self.steps,
+            "spec": self.spec,
+            "repo": self.repo,
+        }
 
 
 # ── git ────────────────────────────────────────────────────────────────────────────────────────────
@@ -121,7 +161,7 @@ def _absolute(value: str, base: Path) -> str:
     return str(p if p.is_absolute() else (base / p).resolve())
 
 
-def resolved_spec(spec_path: str | Path, overrides: list[str], out: Path):
+def resolved_spec(spec_path: str | Path, overrides: list[str], out: Path) -> tuple[ExperimentSpec, Path]:
     """(validated spec, path of the spec file both refs train from): the user's fields only, overrides applied,
     filesystem paths made absolute against the current directory."""
     spec = load_spec(spec_path, overrides)  # validated by this checkout's schema; errors name the field
@@ -153,7 +193,13 @@ def resolved_spec(spec_path: str | Path, overrides: list[str], out: Path):
 
 
 def train_at_ref(
-    worktree: Path, commit: str, spec_file: Path, out_dir: Path, run_index: int, spec, steps: int | None = None
+    worktree: Path,
+    commit: str,
+    spec_file: Path,
+    out_dir: Path,
+    run_index: int,
+    spec: ExperimentSpec,
+    steps: int | None = None,
 ) -> dict:
     """Train the spec with the code in `worktree` (a subprocess); {checkpoint, metrics, seconds, returncode}."""
     cmd = [
@@ -195,16 +241,7 @@ def train_at_ref(
             f"training at commit {commit[:12]} (run {run_index}) saved no checkpoint; log: {out_dir / 'train.log'}"
         )
     checkpoint = found[-1][1]
-    manifest = (
-        json.loads((checkpoint / "manifest.json").read_text()) if (checkpoint / "manifest.json").is_file() else {}
-    )
-    ran = (manifest.get("code_ref") or {}).get("commit")
-    if ran and ran != "unknown" and ran != commit:
-        raise RegressionError(
-            f"the run for commit {commit[:12]} was written by code at commit {ran[:12]}: the worktree's code "
-            "was shadowed (an installed copy of the package, or PYTHONPATH); install Ballast in editable "
-            "mode from one checkout only, or run from a clean environment"
-        )
+    _check_written_by(checkpoint, commit)
     return {
         "checkpoint": str(checkpoint),
         "metrics": str(out_dir / "metrics.jsonl"),
@@ -213,7 +250,21 @@ def train_at_ref(
     }
 
 
-def probe_or_error(checkpoint: str, spec, cache_dir: Path) -> dict:
+def _check_written_by(checkpoint: Path, commit: str) -> None:
+    """The manifest's code_ref must be `commit`: proof that the ref's code, not another copy, wrote the checkpoint."""
+    try:
+        ran = (Checkpoint.open(checkpoint, verify=False).code_ref or {}).get("commit")
+    except CheckpointError:  # incomplete: the probe says so, as a failed probe
+        return
+    if ran and ran != "unknown" and ran != commit:
+        raise RegressionError(
+            f"the run for commit {commit[:12]} was written by code at commit {ran[:12]}: the worktree's code "
+            "was shadowed (an installed copy of the package, or PYTHONPATH); install Ballast in editable "
+            "mode from one checkout only, or run from a clean environment"
+        )
+
+
+def probe_or_error(checkpoint: str, spec: ExperimentSpec, cache_dir: Path) -> dict:
     """This checkout's probe of one artifact, as JSON; an artifact that cannot be loaded becomes a failed entry."""
     try:
         return probe_checkpoint(checkpoint, spec.probe, spec.model, cache_dir, lora_cfg=spec.lora).to_dict()
@@ -270,7 +321,7 @@ def worktrees(plan: RegressionPlan):
                 remove_worktree(plan.repo, side.worktree)
 
 
-def compare_sides(plan: RegressionPlan, alpha: float) -> dict:
+def compare_sides(plan: RegressionPlan, alpha: float) -> RegressionResult:
     """Pool each side's reports, compare A with B, write comparison.json, the plots and comparison.html."""
     (plan.work / "probes").mkdir(exist_ok=True)
     for side in plan.sides:
@@ -279,12 +330,19 @@ def compare_sides(plan: RegressionPlan, alpha: float) -> dict:
         side.pooled = {**pool_reports(side.reports, label=side.ref), "ref": side.ref, "commit": side.commit}
         (plan.work / f"pooled_{side.name}.json").write_text(json.dumps(side.pooled, indent=1))
     a, b = plan.sides
-    result = compare(a.pooled, b.pooled, alpha=alpha, labels=(a.ref, b.ref))
-    result["refs"] = {s.name: {"ref": s.ref, "commit": s.commit} for s in plan.sides}
-    result.update(runs=plan.runs, steps=plan.steps, spec=str(plan.spec_file), repo=str(plan.repo))
-    (plan.work / "comparison.json").write_text(json.dumps(result, indent=1))
+    result = RegressionResult(
+        comparison=compare(a.pooled, b.pooled, alpha=alpha, labels=(a.ref, b.ref)),
+        refs={s.name: {"ref": s.ref, "commit": s.commit} for s in plan.sides},
+        runs=plan.runs,
+        steps=plan.steps,
+        spec=str(plan.spec_file),
+        repo=str(plan.repo),
+        work_dir=str(plan.work),
+    )
+    (plan.work / "comparison.json").write_text(json.dumps(result.to_dict(), indent=1))
     histories = [[h for h in (read_history(Path(r["metrics"])) for r in s.runs) if h] for s in plan.sides]
-    result["plots"] = [str(p) for p in plot_comparison(result, plan.work / "plots", histories[0], histories[1])]
+    plots = plot_comparison(result.comparison, plan.work / "plots", histories[0], histories[1])
+    result.plots = [str(p) for p in plots]
     extra = {
         "A": f"{a.ref} ({a.commit[:12]})",
         "B": f"{b.ref} ({b.commit[:12]})",
@@ -292,9 +350,5 @@ def compare_sides(plan: RegressionPlan, alpha: float) -> dict:
         "steps": plan.steps or plan.spec.optim.steps,
         "repository": str(plan.repo),
     }
-    result["html"] = str(
-        write_comparison_html(result, plan.work / "comparison.html", [Path(p) for p in result["plots"]], extra)
-    )
-    result["malformed"] = {s.name: [s.pooled["n_malformed"], s.pooled["n_samples"]] for s in plan.sides}
-    result["work_dir"] = str(plan.work)
+    result.html = str(write_comparison_html(result.comparison, plan.work / "comparison.html", plots, extra))
     return result

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tasks.fork import ForkError, ForkSource, fork
+from tasks.spec import ExperimentSpec
 from trainer.loop import Callbacks, GRPOTrainer, RunResult, check_resume
 from trainer.model import ensure_model
 
@@ -82,7 +83,7 @@ class RunInterrupted(Exception):
 
 
 def run_training(
-    spec,
+    spec: ExperimentSpec,
     output_dir: Path,
     callbacks: Sequence[Callbacks],
     fork_source: ForkSource | None = None,
@@ -138,13 +139,13 @@ def _lineage(source: ForkSource) -> dict:
     )
 
 
-def check_resumable(spec, output_dir: Path) -> Path | None:
+def check_resumable(spec: ExperimentSpec, output_dir: Path) -> Path | None:
     """The checkpoint a resume of `output_dir` starts from (None: none yet), verified and matching `spec`; a
     CheckpointError otherwise — before any model loads, and with nothing in `output_dir` changed."""
     return check_resume(spec.trainer_config(), output_dir)
 
 
-def fork_alone(spec) -> ForkSource:
+def fork_alone(spec: ExperimentSpec) -> ForkSource:
     """Where `ballast train` starts: the base model, or `fork.checkpoint` fetched and verified as for a pipeline
     run. `fork.run_id` names a run in the tracking store, which the trainer alone does not open."""
     if spec.fork.run_id:
@@ -157,7 +158,7 @@ def fork_alone(spec) -> ForkSource:
 
 
 def train_alone(
-    spec, output_dir: Path, resume: bool, progress: bool, source: ForkSource | None = None
+    spec: ExperimentSpec, output_dir: Path, resume: bool, progress: bool, source: ForkSource | None = None
 ) -> tuple[RunResult, Path | None]:
     """`ballast train`: the trainer with no orchestration, from `source` (fork_alone) when given; (result, the
     checkpoint resumed from)."""
@@ -172,6 +173,6 @@ def train_alone(
         trainer.close()
 
 
-def ensure_base_model(spec) -> str:
+def ensure_base_model(spec: ExperimentSpec) -> str:
     """The spec's base model, built or converted on first use when its model section says how."""
     return ensure_model(spec.model)

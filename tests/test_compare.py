@@ -30,10 +30,10 @@ def report(n_malformed: int, n_samples: int, parity_ok: bool = True, checkpoint:
 
 def test_the_field_numbers_are_a_regression_with_p_far_below_0_001():
     result = compare(report(0, 108), report(35, 72))
-    assert result["verdict"] == "regression" and result["regression"] and result["rate_regression"]
-    assert result["p_value"] < 1e-3
-    assert result["p_value"] == pytest.approx(1.78e-17, rel=0.01)
-    assert result["summary"] == (
+    assert result.verdict == "regression" and result.regression and result.rate_regression
+    assert result.p_value < 1e-3
+    assert result.p_value == pytest.approx(1.78e-17, rel=0.01)
+    assert result.summary == (
         "regression: B malformed 35/72 (48.6%) vs A 0/108 (0.0%), Fisher exact p=1.8e-17 (one-sided, alpha 0.01)"
     )
 
@@ -41,36 +41,36 @@ def test_the_field_numbers_are_a_regression_with_p_far_below_0_001():
 @pytest.mark.parametrize("a, b", [((0, 108), (0, 108)), ((5, 60), (5, 60)), ((35, 72), (35, 72)), ((3, 18), (4, 18))])
 def test_equal_or_similar_rates_are_no_regression(a, b):
     result = compare(report(*a), report(*b))
-    assert result["verdict"] == "no regression" and not result["regression"]
-    assert result["p_value"] > 0.01
+    assert result.verdict == "no regression" and not result.regression
+    assert result.p_value > 0.01
     assert format_verdict(result).startswith("no regression: B malformed")
 
 
 def test_a_b_that_got_better_is_no_regression():
     result = compare(report(35, 72), report(0, 108))
-    assert not result["regression"] and result["p_value"] == pytest.approx(1.0)
+    assert not result.regression and result.p_value == pytest.approx(1.0)
 
 
 def test_intervals_are_wilson_95():
     result = compare(report(0, 108), report(35, 72))
-    assert result["a"]["malformed_ci"] == pytest.approx([0.0, 0.0343], abs=1e-4)
-    assert result["b"]["malformed_ci"] == pytest.approx([0.3743, 0.5993], abs=1e-4)
+    assert result.a.malformed_ci == pytest.approx([0.0, 0.0343], abs=1e-4)
+    assert result.b.malformed_ci == pytest.approx([0.3743, 0.5993], abs=1e-4)
     assert wilson_interval(0, 0) == [0.0, 1.0]
 
 
 def test_alpha_sets_the_verdict():
     a, b = report(0, 18), report(4, 18)  # one-sided p = 0.052
-    assert not compare(a, b, alpha=0.01)["regression"]
-    assert compare(a, b, alpha=0.1)["regression"]
+    assert not compare(a, b, alpha=0.01).regression
+    assert compare(a, b, alpha=0.1).regression
     with pytest.raises(ValueError, match="alpha"):
         compare(a, b, alpha=1.5)
 
 
 def test_parity_failure_only_in_b_is_a_regression_even_at_equal_rates():
     result = compare(report(0, 24), report(0, 24, parity_ok=False))
-    assert result["regression"] and result["parity_regression"] and not result["rate_regression"]
-    assert "B fails parity in 1 of 1 artifact(s) while A passes" in result["summary"]
-    assert not compare(report(0, 24, parity_ok=False), report(0, 24, parity_ok=False))["regression"]
+    assert result.regression and result.parity_regression and not result.rate_regression
+    assert "B fails parity in 1 of 1 artifact(s) while A passes" in result.summary
+    assert not compare(report(0, 24, parity_ok=False), report(0, 24, parity_ok=False)).regression
 
 
 def test_pooled_reports_add_up_and_count_unloadable_artifacts_as_parity_failures():
@@ -91,7 +91,15 @@ def test_pooled_reports_add_up_and_count_unloadable_artifacts_as_parity_failures
     assert not pooled["parity_ok"] and pooled["n_parity_failed"] == 1 and pooled["n_failed"] == 1
     assert pooled["failures"] == ["c3: cannot load"]
     result = compare(pool_reports([report(0, 24)] * 3, "old"), pooled, labels=("old", "main"))
-    assert result["regression"] and result["summary"].startswith("regression: main malformed 4/48")
+    assert result.regression and result.summary.startswith("regression: main malformed 4/48")
+
+
+def test_the_json_form_holds_every_field_the_verdict_and_its_line():
+    result = compare(report(0, 108), report(35, 72))
+    saved = json.loads(json.dumps(result.to_dict()))
+    assert saved["kind"] == "ballast-comparison" and saved["table"] == [[0, 108], [35, 37]]
+    assert (saved["verdict"], saved["regression"], saved["summary"]) == ("regression", True, result.summary)
+    assert saved["a"]["malformed_ci"] == result.a.malformed_ci and saved["b"]["label"] == "B"
 
 
 def test_plots_show_rates_and_curves_side_by_side(tmp_path):
@@ -173,6 +181,7 @@ def test_cli_compare_exits_1_on_a_regression_and_writes_results(reports, tmp_pat
     )
     saved = json.loads((tmp_path / "cmp.json").read_text())
     assert saved["verdict"] == "regression" and saved["p_value"] < 1e-3
+    assert saved["a"]["source"] == str(reports["old"]) and saved["b"]["n_malformed"] == 35
     page = (tmp_path / "cmp.html").read_text()
     assert "regression: v2 malformed" in page and "data:image/png;base64" in page
 

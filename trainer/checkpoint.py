@@ -47,6 +47,7 @@ from .config import InputError, LoraConfig, ModelConfig
 from .model import load_policy
 
 MANIFEST = "manifest.json"
+ADAPTER_CONFIG = "adapter_config.json"  # peft's, inside adapter/
 FORMAT = "ballast-checkpoint/1"
 STEP_DIR = re.compile(r"step-(\d{6,})")
 HASH_BLOCK = 1 << 20
@@ -67,6 +68,11 @@ def parse_step_dir(name: str) -> int | None:
     """The step of a directory named like `step-000120`; None for any other name."""
     m = STEP_DIR.fullmatch(name)
     return int(m.group(1)) if m else None
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    """Whether `path` is a directory holding a checkpoint manifest (not verified: `Checkpoint.open` does that)."""
+    return (Path(path) / MANIFEST).is_file()
 
 
 def sha256_file(path: Path) -> str:
@@ -172,6 +178,33 @@ class Checkpoint:
     @property
     def tokenizer_dir(self) -> Path:
         return self.path / "tokenizer"
+
+    def adapter_config(self) -> dict | None:
+        """The saved adapter's config (peft's adapter/adapter_config.json: r, lora_alpha, target_modules); None for a
+        full-model checkpoint or one without the file. A file that is not valid JSON raises CheckpointError naming it.
+        """
+        path = self.adapter_dir / ADAPTER_CONFIG if self.adapter_dir is not None else None
+        if path is None or not path.is_file():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path.relative_to(self.path)} is not valid JSON ({e})") from None
+
+    def manifest_sha256(self) -> str:
+        """The sha256 of the manifest file, which names every other file's: one digest for the whole checkpoint."""
+        return sha256_file(self.path / MANIFEST)
+
+    def copy_for_inference(self, dest: Path) -> Path:
+        """The weights (adapter/ or model/), the tokenizer/ when saved and the manifest, copied to `dest`: what loading
+        the checkpoint for inference needs, without the training state (optimizer, scheduler, RNG)."""
+        dest = Path(dest)
+        for part in (self.weights_dir, self.tokenizer_dir):
+            if part.is_dir():
+                shutil.copytree(part, dest / part.name)
+        dest.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(self.path / MANIFEST, dest / MANIFEST)
+        return dest
 
     @property
     def fingerprint(self) -> dict | None:
