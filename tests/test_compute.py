@@ -1,0 +1,348 @@
+"""Compute is a stage: a pipeline run with `infra.compute: local` goes provision → train (a stage process on a
+provisioned "node") → checkpoint → artifact-probe → eval → teardown, the same path as SkyPilot but for SkyPilot's
+own calls. The node trains the run the flow opened, through the store alone: a preempted node (SIGTERM, then
+SIGKILL, of the stage's process group) is relaunched by the flow and resumes from the store's newest checkpoint,
+and the finished run equals an uninterrupted one. Teardown always happens; the run records what the node cost.
+The SkyPilot side is tested up to its SDK: the task it would submit, validated by SkyPilot's own schema.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
+
+from infra.compute import STAGE_PID, ComputeError, LocalCompute, check_placement, sky_task
+from tasks.remote import LineRelay, NodeStageFailed, node_name, plan_skypilot
+from tasks.spec import load_spec
+from tests.conftest import tiny_spec
+from trainer.loop import Callbacks
+
+STEPS = 6
+WAIT_S = 900
+
+
+def node_spec_dict(tiny_model, project: Path, **changes) -> dict:
+    return tiny_spec(
+        tiny_model,
+        name="node-run",
+        project_dir=str(project),
+        optim={"steps": STEPS, "learning_rate": 3e-3},
+        checkpoint={"every": 2, "keep_last": 10},
+        probe={"n": 2, "max_tokens": 16, "expected_length": 8},
+        infra={"compute": "local", "max_restarts": 2},
+        **changes,
+    )
+
+
+@pytest.fixture(scope="module")
+def prefect_api():
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield PREFECT_API_URL.value()
+
+
+def task_run_names(flow_run_id) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import TaskRunSort
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+            sort=TaskRunSort.EXPECTED_START_TIME_ASC,
+        )
+    return [r.name.rsplit("-", 1)[0] for r in runs]
+
+
+def run_flow(spec: dict):
+    from flows.pipeline import ballast_pipeline
+
+    state = ballast_pipeline(spec, progress=False, return_state=True)
+    return state, state.result(raise_on_failure=False)
+
+
+def adapter(result) -> dict:
+    return load_file(str(Path(result.final_checkpoint) / "adapter" / "adapter_model.safetensors"))
+
+
+def step_rewards(tracking_uri: str, run_id: str) -> list[tuple[int, float]]:
+    history = MlflowClient(tracking_uri).get_metric_history(run_id, "reward")
+    return sorted((m.step, m.value) for m in history)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model, tmp_path_factory, prefect_api):
+    project = tmp_path_factory.mktemp("uninterrupted") / "project"
+    state, result = run_flow(node_spec_dict(tiny_model, project))
+    return project, state, result
+
+
+def test_a_local_compute_run_shows_each_stage_as_a_task_and_tears_the_node_down(uninterrupted):
+    project, state, result = uninterrupted
+    assert state.is_completed(), state.message
+    assert result.status == "finished" and result.last_step == STEPS
+    names = task_run_names(state.state_details.flow_run_id)
+    assert names == ["fork", "provision", "train", "checkpoint", "artifact-probe", "eval", "teardown"]
+    assert not any((project / "compute").glob("ballast-*/"))  # the node's disk is gone
+
+
+def test_the_node_trains_the_flows_mlflow_run_and_records_what_it_used(uninterrupted):
+    project, _, result = uninterrupted
+    uri = f"sqlite:///{project.resolve() / 'mlflow.db'}"
+    rewards = step_rewards(uri, result.run_id)
+    assert [s for s, _ in rewards] == list(range(1, STEPS + 1))  # every step once, on the run the flow opened
+    run = MlflowClient(uri).get_run(result.run_id)
+    assert run.data.tags["ballast.compute"] == "local"
+    assert run.data.tags["ballast.compute.spot"] == "on-demand"
+    assert run.data.tags["ballast.compute.torn_down"] == "True"
+    assert run.data.metrics["compute/restarts"] == 0
+    assert run.data.metrics["compute/run_s"] > 0
+    assert [round(r, 6) for r in result.rewards] == [round(v, 6) for _, v in rewards]
+
+
+def preempt_when(project: Path, step: int, grace_s: float, done: threading.Event, log: list) -> None:
+    """Once the node's metrics.jsonl has `step`, SIGTERM the stage's process group, then SIGKILL after `grace_s`
+    (a spot preemption); once only."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline and not done.is_set():
+        for metrics in project.glob("compute/ballast-*/project/runs/*/metrics.jsonl"):
+            lines = [line for line in metrics.read_text().splitlines() if '"step"' in line]
+            if len(lines) >= step:
+                pid = int((metrics.parents[3] / STAGE_PID).read_text())
+                os.killpg(pid, signal.SIGTERM)
+                time.sleep(grace_s)
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                    log.append("SIGKILL")
+                except ProcessLookupError:
+                    log.append("exited before SIGKILL")
+                return
+        time.sleep(0.1)
+
+
+def test_a_preempted_node_is_relaunched_and_the_run_equals_an_uninterrupted_one(
+    tiny_model, tmp_path, prefect_api, uninterrupted
+):
+    _, _, clean = uninterrupted
+    project = tmp_path / "project"
+    done, log = threading.Event(), []
+    killer = threading.Thread(target=preempt_when, args=(project, 3, 2.0, done, log), daemon=True)
+    killer.start()
+    try:
+        state, result = run_flow(node_spec_dict(tiny_model, project))
+    finally:
+        done.set()
+        killer.join()
+    assert log, "the node was never preempted"
+    assert state.is_completed(), state.message
+    uri = f"sqlite:///{project.resolve() / 'mlflow.db'}"
+    run = MlflowClient(uri).get_run(result.run_id)
+    assert run.data.metrics["compute/restarts"] == 1
+    rewards = step_rewards(uri, result.run_id)
+    assert [s for s, _ in rewards] == list(range(1, STEPS + 1))  # no step missing or logged twice
+    assert [v for _, v in rewards] == pytest.approx([r for r in clean.rewards], abs=1e-6)
+    assert result.rewards == pytest.approx(clean.rewards, abs=1e-6)
+    mine, theirs = adapter(result), adapter(clean)
+    assert mine.keys() == theirs.keys()
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert "ballast.resume_mismatch" not in run.data.tags
+
+
+# ── LocalCompute alone ─────────────────────────────────────────────────────────────────────────────
+
+
+def script(tmp_path: Path, body: str) -> list[str]:
+    path = tmp_path / "stage.py"
+    path.write_text(body)
+    return [sys.executable, str(path)]
+
+
+def test_local_compute_streams_lines_and_reports_a_signal_as_a_preemption(tmp_path):
+    compute = LocalCompute("n", tmp_path / "node")
+    compute.provision()
+    lines = []
+    ended = compute.run(script(tmp_path, "print('a'); print('b')"), {}, lines.append)
+    assert (ended.code, ended.preempted, lines) == (0, False, ["a", "b"])
+    body = "import os, signal; print('up', flush=True); os.kill(os.getpid(), signal.SIGKILL)"
+    ended = compute.run(script(tmp_path, body), {}, lines.append)
+    assert (ended.code, ended.preempted) == (137, True)
+    ended = compute.run(script(tmp_path, "raise SystemExit(3)"), {}, lines.append)
+    assert (ended.code, ended.preempted) == (3, False)
+    compute.teardown()
+    assert not (tmp_path / "node").exists() and compute.usage().torn_down
+
+
+def test_teardown_stops_a_stage_that_still_runs_with_sigterm_then_sigkill(tmp_path):
+    compute = LocalCompute("n", tmp_path / "node", stop_grace_s=1.0)
+    compute.provision()
+    body = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
+    )
+    started = threading.Event()
+    worker = threading.Thread(
+        target=lambda: compute.run(script(tmp_path, body), {}, lambda line: started.set()), daemon=True
+    )
+    worker.start()
+    assert started.wait(60)
+    compute.teardown()  # SIGTERM is ignored by the stage: SIGKILL after the grace period
+    worker.join(60)
+    assert compute.proc.returncode == -signal.SIGKILL and not worker.is_alive()
+
+
+def test_the_flow_relaunches_a_preempted_stage_and_fails_past_max_restarts(tmp_path):
+    from tasks.remote import train_on_node
+
+    compute = LocalCompute("n", tmp_path / "node")
+    compute.provision()
+    always_killed = "import os, signal; print('hello', flush=True); os.kill(os.getpid(), signal.SIGTERM)"
+    said = []
+    with pytest.raises(NodeStageFailed, match="preempted once more than infra.max_restarts allows") as e:
+        train_on_node(compute, script(tmp_path, always_killed), None, [], said.append, max_restarts=2)
+    assert "hello" in str(e.value)
+    assert compute.usage().restarts == 2 and sum("relaunching" in s for s in said) == 2
+
+
+def test_step_lines_from_the_node_reach_the_flows_callbacks():
+    seen = []
+
+    class Hook(Callbacks):
+        def on_step(self, step, metrics):
+            seen.append((step, metrics["reward"]))
+
+    said = []
+    relay = LineRelay([Hook()], said.append)
+    relay('ballast-step {"step": 3, "metrics": {"reward": 0.5}}')
+    relay("some warning")
+    assert seen == [(3, 0.5)] and said == ["some warning"] and relay.last_step == 3
+
+
+def test_a_sigterm_to_the_flow_does_not_reach_the_stage_process_group(tmp_path):
+    compute = LocalCompute("n", tmp_path / "node")
+    compute.provision()
+    compute.run(script(tmp_path, "print('x')"), {}, lambda line: None)
+    assert os.getpgid(os.getpid()) != compute.proc.pid  # the stage led its own session
+    compute.teardown()
+
+
+# ── refused before anything is provisioned ─────────────────────────────────────────────────────────
+
+REMOTE = {
+    "name": "big",
+    "model": {"name_or_path": "Qwen/Qwen2.5-0.5B-Instruct"},
+    "tracking": {"uri": "http://mlflow.team.internal:5000"},
+    "storage": {"uri": "s3://team-bucket/ballast"},
+    "infra": {"compute": "skypilot", "accelerators": "H100:1", "use_spot": True, "env": ["HF_TOKEN"]},
+}
+
+
+def spec_file(tmp_path: Path, **infra) -> Path:
+    data = {**REMOTE, "project_dir": str(tmp_path / "project"), "infra": {**REMOTE["infra"], **infra}}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("infra.accelerators=H100:x", "infra.accelerators='H100:x' is not NAME or NAME:COUNT"),
+        ("infra.accelerators=H100:1:2", "infra.accelerators='H100:1:2'"),
+        ("storage.uri=/data/ballast", "infra.use_spot: true with storage /data/ballast"),
+        ("tracking.uri=null", "the node cannot reach an embedded SQLite store"),
+        ("tracking.uri=http://127.0.0.1:5000", "loopback address"),
+        ("infra.cloud=nosuchcloud", "SkyPilot refused the task"),
+    ],
+)
+def test_remote_infra_the_node_could_not_use_is_refused_in_one_line_with_exit_2(
+    tmp_path, monkeypatch, capsys, override, message
+):
+    from flows.cli import main
+
+    monkeypatch.setenv("HF_TOKEN", "hf_value")
+    assert main(["run", str(spec_file(tmp_path)), "--set", override, "--dryrun"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "project" / "runs").exists()
+
+
+def test_an_accelerator_string_skypilot_refuses_is_refused_with_its_reason():
+    from infra.compute import check_accelerators
+
+    with pytest.raises(ComputeError, match="infra.accelerators='H100:0': SkyPilot refused it: Accelerator count must"):
+        check_accelerators("H100:0")
+
+
+def test_check_placement_accepts_local_compute_with_embedded_stores(tmp_path):
+    spec = load_spec({"model": {"name_or_path": "m"}, "infra": {"compute": "local"}})
+    check_placement(spec.infra, "sqlite:////tmp/x.db", str(tmp_path))  # this machine reaches its own stores
+
+
+# ── the SkyPilot task, as SkyPilot would take it ───────────────────────────────────────────────────
+
+
+def test_dryrun_of_a_spot_h100_run_prints_a_managed_job_skypilot_accepts_with_secrets_by_name(
+    tmp_path, monkeypatch, capsys
+):
+    from flows.cli import main
+
+    monkeypatch.setenv("HF_TOKEN", "hf_sekret_value")
+    assert main(["run", str(spec_file(tmp_path)), "--dryrun"]) == 0
+    out = capsys.readouterr().out
+    assert "hf_sekret_value" not in out and "HF_TOKEN" in out
+    config = yaml.safe_load("\n".join(line for line in out.splitlines() if not line.startswith("#")))
+    task = sky_task({**config, "secrets": {"HF_TOKEN": "x"}})  # SkyPilot's schema (names get values at launch)
+    (resources,) = task.resources
+    assert resources.accelerators == {"H100": 1} and resources.use_spot
+    assert resources.job_recovery == {"strategy": "EAGER_NEXT_REGION", "max_restarts_on_errors": 3}
+    assert config["secrets"] == {"HF_TOKEN": None}
+    name = node_name("big", "RUN_ID")
+    assert task.run == f"python3 -m tasks.remote train --spec ~/.ballast-launch/{name}.yaml --run-id RUN_ID"
+    ((remote, local),) = config["file_mounts"].items()
+    node = load_spec(local)  # the spec the node runs: the team's stores, its own project folder, trains in-process
+    assert (node.tracking.uri, node.storage.uri) == (REMOTE["tracking"]["uri"], REMOTE["storage"]["uri"])
+    assert node.infra.compute == "here" and remote.endswith(f"{name}.yaml")
+    assert "hf_sekret_value" not in Path(local).read_text()
+
+
+def test_dryrun_of_a_two_node_on_demand_job_is_a_cluster_task_skypilot_accepts(tmp_path, monkeypatch, capsys):
+    from flows.cli import main
+
+    monkeypatch.setenv("HF_TOKEN", "x")
+    path = spec_file(tmp_path, use_spot=False, num_nodes=2, accelerators="H200:2", cloud="k8s", disk_size=200)
+    assert main(["run", str(path), "--dryrun"]) == 0
+    out = capsys.readouterr().out
+    assert "cluster (autodown after idle)" in out
+    task = sky_task(yaml.safe_load("\n".join(line for line in out.splitlines() if not line.startswith("#"))))
+    (resources,) = task.resources
+    assert task.num_nodes == 2 and resources.accelerators == {"H200": 2} and resources.disk_size == 200
+    assert not resources.use_spot and resources.job_recovery is None
+
+
+def test_the_skypilot_compute_is_planned_without_provisioning(tmp_path, monkeypatch):
+    from tasks.remote import open_compute
+
+    monkeypatch.setenv("HF_TOKEN", "x")
+    spec = load_spec(spec_file(tmp_path))
+    compute, command = open_compute(spec, spec.tracking.uri, "0123456789abcdef")
+    assert compute.recovers_itself and compute.name == "ballast-big-01234567"
+    assert command[-2:] == ["--run-id", "0123456789abcdef"]
+    assert compute.usage().spot and compute.usage().accelerators == "H100:1"
+    plan = plan_skypilot(spec, spec.tracking.uri, "0123456789abcdef", tmp_path / "launch")
+    launched = sky_task(plan.task_config(with_secret_values=True))
+    assert {k: v.get_secret_value() for k, v in launched.secrets.items()} == {"HF_TOKEN": "x"}
+
+
+def test_the_stage_entrypoint_refuses_bad_arguments():
+    out = subprocess.run([sys.executable, "-m", "tasks.remote", "train"], capture_output=True, text=True)
+    assert out.returncode == 2 and "--spec" in out.stderr
