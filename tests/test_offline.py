@@ -4,6 +4,8 @@ on a trajectory file uses them as its old policy."""
 
 import json
 import math
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -198,3 +200,177 @@ def test_offline_needs_a_trajectory_file_as_data_source():
 
     with pytest.raises(SpecError, match="rollout.engine: offline reads its completions from data.source"):
         load_spec({"model": {"name_or_path": "m"}, "rollout": {"engine": "offline"}})
+
+
+# ── multi-turn episodes: ART trajectories and OpenAI chat logs with tool calls ─────────────────────
+
+EPISODES = Path(__file__).parent / "offline_episodes.jsonl"
+# The tiny model's template has no tool role; this one does, and writes a newline after each assistant turn's end
+# token, which is not sampled: it must come in as an inserted token. tests/offline_episodes.jsonl was tokenised
+# with it (two prompts, two episodes each: ART Choices with logprob tokens as 'token_id:N' and as strings, ART
+# Choices with vLLM's token_ids and prompt_token_ids, OpenAI chat logs with a tool call and with a user follow-up).
+TOOL_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}Tools: {{ tools | map(attribute='function') | map(attribute='name') | join(', ') }}\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }}\n"
+    "{% elif message['role'] == 'user' %}<|user|>{{ message['content'] }}"
+    "{% elif message['role'] == 'tool' %}<|user|>[tool] {{ message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}<|assistant|>{{ message['content'] }}"
+    "{% if message['tool_calls'] is defined %}{% for call in message['tool_calls'] %}"
+    "<call>{{ call['function']['name'] }}({{ call['function']['arguments'] }})</call>{% endfor %}{% endif %}"
+    "{{ eos_token }}\n"
+    "{% else %}{{ raise_exception('unknown role ' + message['role']) }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tool_model(tiny_model, tmp_path_factory):
+    """The tiny model with TOOL_TEMPLATE as its chat template."""
+    path = tmp_path_factory.mktemp("tool-model") / "model"
+    shutil.copytree(tiny_model, path)
+    set_chat_template(path, TOOL_TEMPLATE)
+    return path
+
+
+def set_chat_template(path: Path, template: str) -> None:
+    """Where transformers reads it from: chat_template.jinja when there is one (transformers 5), else the config."""
+    if (path / "chat_template.jinja").is_file():
+        (path / "chat_template.jinja").write_text(template)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def episodes_engine(tool_model, path=EPISODES):
+    from transformers import AutoTokenizer
+
+    from trainer.data import render_prompt
+    from trainer.engines.offline import OfflineEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(tool_model)
+    return OfflineEngine(path, tokenizer, render_prompt), tokenizer
+
+
+def turns(tokenizer, *pieces):
+    """Token ids and loss mask of alternating (sampled, inserted, sampled, ...) text pieces."""
+    ids, mask = [], []
+    for k, piece in enumerate(pieces):
+        piece_ids = tokenizer.encode(piece, add_special_tokens=False)
+        ids += piece_ids
+        mask += [1 - k % 2] * len(piece_ids)
+    return ids, mask
+
+
+def test_an_episode_is_its_sampled_turns_with_the_inserted_messages_between_and_only_sampled_tokens_carry_loss(
+    tool_model,
+):
+    engine, tokenizer = episodes_engine(tool_model)
+    rows = [json.loads(line) for line in EPISODES.read_text().splitlines()]
+    (art, vllm_ids), (chat_log, follow_up) = (group for _, group in engine.groups.values())
+    prompt = tokenizer.encode(
+        "<s>Tools: add\nYou add numbers with the add tool.\n<|user|>23+58<|assistant|>", add_special_tokens=False
+    )
+    assert art.prompt_ids == prompt and vllm_ids.prompt_ids == prompt
+    call = '<call>add({{"a":{},"b":{}}})</call></s>'.format
+    tool = "\n<|user|>[tool] {}<|assistant|>".format
+    output = "<output>{}</output></s>".format
+    expected = {
+        "art": (art, turns(tokenizer, call(23, 58), tool(81), output(81))),
+        "vllm": (vllm_ids, turns(tokenizer, call(23, 85), tool(108), output(108))),
+        "chat log": (chat_log, turns(tokenizer, call(12, 30), tool(42), output(42))),
+        "follow-up": (follow_up, turns(tokenizer, output(41), "\n<|user|>Check again.<|assistant|>", output(43))),
+    }
+    for name, (c, (ids, mask)) in expected.items():
+        assert c.token_ids == ids, name
+        assert c.loss_mask == mask, name
+        sampled = [lp for lp, m in zip(c.logprobs, mask) if m]
+        assert all(math.isnan(lp) for lp, m in zip(c.logprobs, mask) if not m), name
+        assert len(sampled) == sum(mask) and all(math.isfinite(lp) for lp in sampled), name
+        assert c.finish_reason == "stop"
+    # the logprobs are the file's, in order, whatever shape named the tokens
+    file_turns = [item for item in rows[0]["completions"][0]["messages_and_choices"] if "message" in item]
+    want = [e["logprob"] for turn in file_turns for e in turn["logprobs"]["content"]]
+    assert [lp for lp, m in zip(art.logprobs, art.loss_mask) if m] == want
+    assert art.text == "<output>81</output>" and follow_up.text == "<output>43</output>"
+    assert chat_log.prompt_ids == tokenizer.encode(
+        "<s>Tools: add\n<|user|>12+30<|assistant|>", add_special_tokens=False
+    )
+
+
+def test_the_trainer_puts_loss_only_on_sampled_tokens_and_a_step_runs(tool_model, tmp_path):
+    from trainer.loop import _padded_batch
+
+    engine, tokenizer = episodes_engine(tool_model)
+    completions = [c for _, group in engine.groups.values() for c in group]
+    batch = _padded_batch(completions, tokenizer.pad_token_id)
+    for row, c in enumerate(completions):  # the loss positions are exactly the sampled ones; padding none
+        mask = batch["completion_mask"][row]
+        assert mask[: len(c.token_ids)].tolist() == c.loss_mask and mask[len(c.token_ids) :].sum() == 0
+        lp = batch["engine_logprobs"][row, : len(c.token_ids)]
+        assert lp.isfinite().tolist() == [bool(m) for m in c.loss_mask]
+    # a step with the default rollout correction (tis), which fails a step if any loss token lacks a logprob
+    t = offline_trainer(tool_model, EPISODES, tmp_path, num_generations=2, prompts_per_step=2)
+    first = t.train(1).history[0]
+    assert first["sampling/frac_logprobs_valid"] == 1.0
+    assert math.isfinite(first["loss"]) and first["grad_norm"] > 0
+    assert first["completions/mean_length"] == sum(len(c.token_ids) for c in completions) / len(completions)
+
+
+def rewrite_episode(tmp_path, change, name="changed.jsonl"):
+    """EPISODES with `change` applied to line 1's first episode (ART-shaped)."""
+    return rewrite(EPISODES, tmp_path / name, lambda row: change(row["completions"][0]) if row["answer"] == "81" else 0)
+
+
+def _choices(episode):
+    return [item for item in episode["messages_and_choices"] if "message" in item]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            lambda e: [c.pop("logprobs") for c in _choices(e)],
+            r"changed.jsonl:1 completions\[0\]\.messages_and_choices\[2\] has neither token_ids nor per-token "
+            r"logprobs: the tokens the model sampled are unknown",
+        ),
+        (
+            lambda e: _choices(e)[1]["logprobs"]["content"][3].update(logprob=None),
+            r"changed.jsonl:1 completions\[0\]\.messages_and_choices\[4\]\.logprobs\.content\[3\]\.logprob is None, "
+            r"not a number",
+        ),
+        (
+            lambda e: [c.update(token_ids=c.pop("logprobs") and [65]) for c in _choices(e)[1:]],
+            r"changed.jsonl:1 completions\[0\]\.messages_and_choices\[4\] has no logprobs but "
+            r"messages_and_choices\[2\], the model's first turn, has them",
+        ),
+        (
+            lambda e: _choices(e)[1]["logprobs"]["content"][0].update(token="<ou", bytes=None),
+            r"messages_and_choices\[4\]\.logprobs\.content\[0\]\.token is '<ou', which no token of the run's "
+            r"tokenizer decodes to",
+        ),
+        (
+            lambda e: e["messages_and_choices"].append({"role": "assistant", "content": "done"}),
+            r"messages_and_choices\[5\] is an assistant message without logprobs or token_ids after the model's "
+            r"first turn: it would get no loss",
+        ),
+    ],
+    ids=["no logprobs or ids", "a None logprob", "mixed", "unknown token string", "unsampled assistant"],
+)
+def test_an_episode_that_cannot_be_trained_token_exact_is_refused_naming_the_line_and_the_turn(
+    tool_model, tmp_path, change, message
+):
+    with pytest.raises(TrajectoryError, match=message) as e:
+        episodes_engine(tool_model, rewrite_episode(tmp_path, change))
+    assert "\n" not in str(e.value)
+
+
+def test_prompt_token_ids_that_do_not_extend_the_episode_are_refused(tool_model, tmp_path):
+    def rerendered(row):
+        if row["answer"] == "81":
+            row["completions"][1]["messages_and_choices"][4]["prompt_token_ids"][3] = 5  # not the prompt turn 1 had
+
+    with pytest.raises(TrajectoryError, match=r"completions\[1\]\.messages_and_choices\[4\]\.prompt_token_ids do not"):
+        episodes_engine(tool_model, rewrite(EPISODES, tmp_path / "x.jsonl", rerendered))

@@ -247,7 +247,7 @@ class GRPOTrainer:
 
         # 5. batch tensors: left-padded prompt, right-padded completion; the whole batch's loss normalisers
         batch = _padded_batch(completions, self.tokenizer.pad_token_id)
-        token_mask = batch["completion_mask"].to(self.device)  # every completion token
+        token_mask = batch["completion_mask"].to(self.device)  # every sampled completion token (not inserted ones)
         loss_mask = token_mask * adv.loss_mask_seq.float().to(self.device).unsqueeze(1)  # those in the loss
         engine_lp = batch["engine_logprobs"].to(self.device)
         missing = int((~torch.isfinite(engine_lp) & token_mask.bool()).sum())
@@ -564,7 +564,7 @@ def _padded_batch(completions, pad_id: int) -> dict:
         attention_mask[i, Lp - len(p) : Lp + len(t)] = 1
         if t:
             input_ids[i, Lp : Lp + len(t)] = torch.tensor(t)
-            completion_mask[i, : len(t)] = 1
+            completion_mask[i, : len(t)] = 1 if c.loss_mask is None else torch.tensor(c.loss_mask, dtype=torch.float32)
             if c.logprobs is not None:
                 engine_logprobs[i, : len(t)] = torch.tensor(c.logprobs, dtype=torch.float32)
     return {

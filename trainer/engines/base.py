@@ -69,12 +69,21 @@ class Completion:
     logprobs: list[float] | None
     finish_reason: Literal["stop", "length"]
     text: str
+    # Which of token_ids carry loss (1) and which were inserted between the model's turns (0: a tool result, a user
+    # message, chat-template glue), for a multi-turn episode (engines/offline.py). None: every token was sampled.
+    # Inserted tokens are attended to but get no loss, and their logprobs (NaN) are never read.
+    loss_mask: list[int] | None = None
 
     def __post_init__(self):
         if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
             raise ValueError(
                 f"completion has {len(self.token_ids)} tokens but {len(self.logprobs)} logprobs; "
                 "the engine must return one logprob per sampled token"
+            )
+        if self.loss_mask is not None and len(self.loss_mask) != len(self.token_ids):
+            raise ValueError(
+                f"completion has {len(self.token_ids)} tokens but a loss_mask of {len(self.loss_mask)}; "
+                "the engine must mark each token as sampled (1) or inserted (0)"
             )
 
 

@@ -21,12 +21,42 @@ silent ratio of 1. A completion with no `logprobs` field gives the trainer None 
 then fails the step (grpo.rollout_correction tis | mis need them), or, with grpo.rollout_correction.mode: off,
 trains on them uncorrected (pi_old is the trainer's own either way).
 
-A line: {"prompt": "23+58", "answer": "81", "completions": [{"token_ids": [...], "logprobs": ...,
+A line: {"prompt": "23+58" (or chat messages), "answer": "81", "completions": [{"token_ids": [...], "logprobs": ...,
 "finish_reason": "stop" | "length", "text": "..."}, ...]}. `token_ids` are the completion's tokens
 under the run's tokenizer; without them `text` is tokenised (and logprobs, if given, must then be one
 per token of that tokenisation). `finish_reason` defaults to "stop" when the last token is an end
 token, else "length". Every line needs exactly grpo.num_generations completions: GRPO normalises
 advantages within the group. The prompt is rendered with the model's chat template, as for any source.
+
+**Multi-turn episodes.** A completion may instead be a whole episode of an agent with tools, trained token-exact:
+the tokens the model sampled in each of its turns, and between them the tokens of the messages inserted (tool
+results, user turns), never a re-rendering of the conversation. Only sampled tokens carry loss and logprobs
+(`Completion.loss_mask`). Two shapes:
+
+    {"messages_and_choices": [msg, msg, choice, msg, choice, ...], "tools": [...]}   ART's Trajectory
+    {"messages": [msg, msg, assistant+logprobs, tool msg, assistant+logprobs], "tools": [...]}   an OpenAI chat log
+
+A *sampled turn* is an OpenAI `Choice` (an object with `message`, `logprobs`, `finish_reason`; ART's) or an
+assistant message carrying `logprobs` or `token_ids` (a chat-completions response's choice.message with the
+choice's logprobs merged in). Plain messages before the first sampled turn are the episode's prompt (few-shot
+assistant messages included); after it, an assistant message that is not a sampled turn is refused (it would
+silently get no loss). The line's `prompt` names the group (what the sampler draws and the rewards read); each
+episode trains on its own messages and `tools`. `text`, which rewards score, is the last sampled turn's.
+
+The sampled tokens of a turn are, in this order: its `token_ids` (vLLM's return_token_ids, which ART stores on
+each Choice); the ids in its logprob tokens when they read "token_id:N" (vLLM's --return-tokens-as-token-ids);
+else each logprob token string mapped to the one vocabulary id whose own decoding is that string (`bytes`, when
+given, decoded as UTF-8 first). A string no id decodes to, or several do, is refused with the line, the turn and
+the position: store the token ids. A turn with neither token ids nor logprobs is refused: its tokens are unknown.
+
+The inserted tokens are, for a turn whose Choice carries vLLM's `prompt_token_ids`, exactly the part of that
+prompt after the tokens so far (refused if it does not extend them: the server re-rendered the conversation).
+Otherwise the chat template renders them: the text the template adds after the previous sampled turn's text
+(e.g. a newline after the end token) and the inserted messages up to the next generation prompt, tokenised on
+their own — what the server tokenised, when turns are delimited by special tokens as chat templates do. A
+template that renders a sampled turn differently from the sampled text (it drops reasoning, reformats tool
+calls) cannot say where the inserted text starts, and is refused naming the turn: store prompt_token_ids.
+Logprobs are all turns' or none (mixed is refused naming the turn).
 """
 
 from __future__ import annotations
@@ -105,6 +135,16 @@ def _finite(x: Any, where: str) -> float:
     return float(x)
 
 
+def _template_message(message: dict) -> dict:
+    """A message as a chat template reads it: role, content ('' for None) and tool fields, without the logprobs
+    and token ids a log stores beside them."""
+    out = {k: v for k, v in message.items() if k in ("role", "content", "name", "tool_calls", "tool_call_id")}
+    out["content"] = out.get("content") or ""
+    if not out.get("tool_calls"):
+        out.pop("tool_calls", None)
+    return out
+
+
 class OfflineEngine:
     """Serves the completions stored for each prompt. Read once; `generate` looks prompts up by token ids."""
 
@@ -129,9 +169,9 @@ class OfflineEngine:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise TrajectoryError(f"{where} is not JSON ({e})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), (str, list)):
                 raise TrajectoryError(
-                    f"{where} is not an object with a string 'prompt'; each line is one prompt: "
+                    f"{where} is not an object with a 'prompt' (a string, or chat messages); each line is one prompt: "
                     '{"prompt": "...", "answer": "...", "completions": [...]}'
                 )
             if not isinstance(row.get("completions"), list) or not row["completions"]:
@@ -139,7 +179,7 @@ class OfflineEngine:
                     f"{where} has no 'completions' list; rollout.engine: offline needs each line's "
                     "completions (or use rollout.engine: hf to sample them)"
                 )
-            prompt_ids = tuple(render(tokenizer, str(row["prompt"])))
+            prompt_ids = tuple(render(tokenizer, row["prompt"]))
             self.groups[prompt_ids] = (
                 lineno,
                 [
@@ -151,6 +191,8 @@ class OfflineEngine:
     def _completion(self, c: dict, prompt_ids: list[int], eos: set, where: str) -> Completion:
         if not isinstance(c, dict):
             raise TrajectoryError(f"{where} is a {type(c).__name__}; expected an object with token_ids or text")
+        if "messages_and_choices" in c or "messages" in c:
+            return self._episode(c, eos, where)
         if "token_ids" in c:
             ids = c["token_ids"]
             vocab = len(self.tokenizer)
@@ -193,6 +235,186 @@ class OfflineEngine:
             raise TrajectoryError(f"{where}.finish_reason is {finish!r}; expected 'stop' or 'length'")
         text = c["text"] if "text" in c else self.tokenizer.decode(ids, skip_special_tokens=True)
         return Completion(prompt_ids=prompt_ids, token_ids=ids, logprobs=logprobs, finish_reason=finish, text=str(text))
+
+    # ---- multi-turn episodes (module docstring) ------------------------------------------------------
+    def _episode(self, c: dict, eos: set, where: str) -> Completion:
+        key = "messages_and_choices" if "messages_and_choices" in c else "messages"
+        items, tools = c[key], c.get("tools")
+        if not isinstance(items, list) or not items:
+            raise TrajectoryError(f"{where}.{key} must be a non-empty list of messages and the model's turns")
+        if tools is not None and not isinstance(tools, list):
+            raise TrajectoryError(f"{where}.tools must be a list of tool definitions; got a {type(tools).__name__}")
+        messages, sampled = [], []  # the conversation as the template sees it; indices of the sampled turns
+        for j, item in enumerate(items):
+            at = f"{where}.{key}[{j}]"
+            if not isinstance(item, dict):
+                raise TrajectoryError(f"{at} is a {type(item).__name__}; expected a message or a Choice object")
+            message = item.get("message") if "message" in item else item
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise TrajectoryError(f"{at} has no 'role'; expected a chat message or a Choice with a 'message'")
+            if "message" in item or (message["role"] == "assistant" and ("logprobs" in item or "token_ids" in item)):
+                sampled.append(j)
+            elif message["role"] == "assistant" and sampled:
+                raise TrajectoryError(
+                    f"{at} is an assistant message without logprobs or token_ids after the model's first turn: it "
+                    "would get no loss; store the turn as a Choice (or with its logprobs), or drop it"
+                )
+            messages.append(_template_message(message))
+        if not sampled:
+            raise TrajectoryError(
+                f"{where}.{key} has no turn of the model: no Choice object and no assistant message with logprobs or "
+                "token_ids; nothing in it could be trained on"
+            )
+
+        token_ids: list[int] = []
+        loss_mask: list[int] = []
+        logprobs: list[float] = []
+        prompt_ids: list[int] = []
+        with_logprobs = []
+        for k, j in enumerate(sampled):
+            item, at = items[j], f"{where}.{key}[{j}]"
+            # the tokens before this turn: the prompt, or those inserted since the previous turn
+            server_prompt = item.get("prompt_token_ids")
+            if server_prompt is not None:
+                server_prompt = self._ids(server_prompt, f"{at}.prompt_token_ids")
+                so_far = prompt_ids + token_ids
+                if server_prompt[: len(so_far)] != so_far:
+                    raise TrajectoryError(
+                        f"{at}.prompt_token_ids do not begin with the episode's tokens so far (turn {j} is not an "
+                        "append-only continuation: the server re-rendered the conversation); such an episode is "
+                        "several sequences, store each as its own completion"
+                    )
+                inserted = server_prompt[len(so_far) :]
+            elif k == 0:
+                inserted = self._render_ids(messages[:j], tools, at)
+            else:
+                inserted = self._inserted(messages, tools, sampled[k - 1], j, token_ids, loss_mask, at)
+            if k == 0:
+                prompt_ids = inserted
+            else:
+                token_ids += inserted
+                loss_mask += [0] * len(inserted)
+                logprobs += [math.nan] * len(inserted)
+            ids, lps = self._turn(item, at)
+            with_logprobs.append(lps is not None)
+            if with_logprobs[-1] != with_logprobs[0]:
+                first = f"{key}[{sampled[0]}]"
+                raise TrajectoryError(
+                    f"{at} has {'logprobs' if with_logprobs[-1] else 'no logprobs'} but {first}, the model's first "
+                    f"turn, has {'them' if with_logprobs[0] else 'none'}: an episode's turns all have logprobs or none "
+                    "do (then set grpo.rollout_correction.mode: off)"
+                )
+            token_ids += ids
+            loss_mask += [1] * len(ids)
+            logprobs += lps if lps is not None else [math.nan] * len(ids)
+        last = items[sampled[-1]]
+        finish = last.get("finish_reason") or ("stop" if token_ids[-1] in eos else "length")
+        text = self.tokenizer.decode(token_ids[len(token_ids) - len(ids) :], skip_special_tokens=True)
+        return Completion(
+            prompt_ids=prompt_ids,
+            token_ids=token_ids,
+            logprobs=logprobs if with_logprobs[0] else None,
+            finish_reason="length" if finish == "length" else "stop",  # stop, tool_calls, ...: the turn ended
+            text=text,
+            loss_mask=loss_mask,
+        )
+
+    def _turn(self, item: dict, at: str) -> tuple[list[int], list[float] | None]:
+        """A sampled turn's token ids and logprobs (None: none stored)."""
+        raw = item.get("logprobs")
+        content = raw.get("content") if isinstance(raw, dict) else raw
+        if "token_ids" in item:
+            ids = self._ids(item["token_ids"], f"{at}.token_ids")
+        elif isinstance(content, list) and content:
+            ids = [self._token_id(entry, f"{at}.logprobs.content[{i}]") for i, entry in enumerate(content)]
+        else:
+            raise TrajectoryError(
+                f"{at} has neither token_ids nor per-token logprobs: the tokens the model sampled are unknown, and "
+                "re-tokenising its text would not be them; store the turn with its logprobs or token_ids"
+            )
+        if not ids:
+            raise TrajectoryError(f"{at} has no tokens: a turn of the model needs at least one")
+        if raw is None:
+            return ids, None
+        lps = read_logprobs(raw, ids, f"{at}.logprobs")
+        if len(lps) != len(ids):
+            raise TrajectoryError(f"{at} has {len(ids)} token_ids but {len(lps)} logprobs")
+        return ids, lps
+
+    def _token_id(self, entry: Any, at: str) -> int:
+        """The vocabulary id of one OpenAI logprob entry: 'token_id:N' as it says, else by its string."""
+        token = entry.get("token") if isinstance(entry, dict) else None
+        if not isinstance(token, str):
+            raise TrajectoryError(f"{at} has no 'token' string to say which token was sampled; store token_ids")
+        if token.startswith("token_id:") and token[9:].isdigit():
+            return self._ids([int(token[9:])], at)[0]
+        if isinstance(entry.get("bytes"), list):
+            try:
+                token = bytes(entry["bytes"]).decode("utf-8")
+            except (UnicodeDecodeError, ValueError):
+                pass  # a token that is part of a UTF-8 character: its string is all there is
+        found = self._by_string().get(token)
+        if found is None or found < 0:
+            raise TrajectoryError(
+                f"{at}.token is {token!r}, which "
+                + ("no token of the run's tokenizer" if found is None else "several tokens of the run's tokenizer")
+                + " decodes to, so the sampled id is unknown; store the turn's token_ids (vLLM: return_token_ids, "
+                "or --return-tokens-as-token-ids)"
+            )
+        return found
+
+    def _by_string(self) -> dict[str, int]:
+        """Each string that exactly one vocabulary id decodes to, mapped to it (-1: several do)."""
+        if getattr(self, "_strings", None) is None:
+            table: dict[str, int] = {}
+            for i in range(len(self.tokenizer)):
+                s = self.tokenizer.decode([i])
+                table[s] = -1 if s in table else i
+            self._strings = table
+        return self._strings
+
+    def _ids(self, ids: Any, at: str) -> list[int]:
+        vocab = len(self.tokenizer)
+        if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+            raise TrajectoryError(f"{at} must be a list of token ids (whole numbers); got {str(ids)[:80]}")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise TrajectoryError(
+                f"{at} holds {bad}, outside the vocabulary of the run's tokenizer (ids 0..{vocab - 1}); the episode "
+                "was tokenised for another model — set model.name_or_path to the model that wrote it"
+            )
+        return ids
+
+    def _render(self, messages: list[dict], tools, generation_prompt: bool, at: str) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False
+            )
+        except Exception as e:  # jinja's TemplateError, or the template's raise_exception
+            raise TrajectoryError(
+                f"{at}: the model's chat template cannot render the episode up to here ({e})"
+            ) from None
+
+    def _render_ids(self, messages: list[dict], tools, at: str) -> list[int]:
+        return self.tokenizer.encode(self._render(messages, tools, True, at), add_special_tokens=False)
+
+    def _inserted(self, messages, tools, prev: int, j: int, token_ids, loss_mask, at: str) -> list[int]:
+        """The tokens between the sampled turn at messages[prev] and the one at messages[j], by the chat template:
+        what it writes after the sampled text of turn `prev` (its end-of-turn glue), then the messages in between
+        and the generation prompt."""
+        before = self._render(messages[:prev], tools, True, at)  # the prompt the previous turn was sampled from
+        through = self._render(messages[: prev + 1], tools, False, at)  # ... and that turn, as the template writes it
+        upto = self._render(messages[:j], tools, True, at)  # ... and the inserted messages, up to this turn's prompt
+        n_prev = len(loss_mask) - loss_mask[::-1].index(0) if 0 in loss_mask else 0
+        sampled_text = self.tokenizer.decode(token_ids[n_prev:], skip_special_tokens=False)
+        turn_text = through[len(before) :] if through.startswith(before) else None
+        if turn_text is None or not turn_text.startswith(sampled_text) or not upto.startswith(through):
+            raise TrajectoryError(
+                f"{at}: the chat template writes the model's previous turn as {str(turn_text)[:60]!r}, not as the "
+                f"text it sampled ({sampled_text[:60]!r}), so where the inserted messages start is unknown; store "
+                "each Choice's prompt_token_ids (vLLM: return_token_ids) so the server's own tokens are used"
+            )
+        return self.tokenizer.encode(turn_text[len(sampled_text) :] + upto[len(through) :], add_special_tokens=False)
 
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[list[Completion]]:
         out = []
