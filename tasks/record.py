@@ -55,7 +55,7 @@ from trainer.checkpoint import Checkpoint, code_ref, list_checkpoints, step_dir_
 from trainer.data import data_fingerprint, load_datasets
 from trainer.loop import Callbacks
 from trainer.metrics import METRICS  # noqa: F401  (the glossary of what is logged: `ballast metrics`)
-from trainer.samples import EVAL_SAMPLES_FILE, SAMPLES_FILE, read_rows
+from trainer.samples import EVAL_SAMPLES_FILE, SAMPLES_FILE, append_rows, read_rows
 
 if TYPE_CHECKING:  # tasks/compare.py and tasks/regression.py import this module: types only, not imports
     from tasks.compare import Comparison
@@ -530,6 +530,7 @@ class RunRecorder:
                 for k, v in headline(result.metrics).items():
                     self.client.log_metric(self.run_id, k, v, step=result.step)
             self._log_samples(sid, result.samples, EVAL_SAMPLES_TABLE)
+            append_rows(self.output_dir / EVAL_SAMPLES_FILE, result.samples)  # the run directory has them too
         else:
             raise TypeError(f"no recorder for a {type(result).__name__}")
 

@@ -198,3 +198,20 @@ def logged_rows(tracking, run_id, table) -> list[dict]:
     """The rows of an MLflow table artifact as logged (MLflow's load_table re-infers the types of its columns)."""
     logged = json.loads(Path(tracking.client.download_artifacts(run_id, table)).read_text())
     return [dict(zip(logged["columns"], values)) for values in logged["data"]]
+
+
+def test_the_final_eval_stage_writes_its_rows_to_the_run_directory_too(tiny_model, tmp_path):
+    """The final eval's samples reach MLflow's eval_samples.json and the run directory's eval_samples.jsonl (issue 23
+    §10: they reached MLflow alone), after the rows in-training evals wrote."""
+    from tasks.eval import EvalResult
+
+    spec = load_spec(tiny_spec(tiny_model, project_dir=str(tmp_path)))
+    tracking = Tracking(spec)
+    run = RunRecorder.start(tracking, spec, ForkSource())
+    in_training = {"step": 2, "prompt": "1+1", "answer": "2", "completion": "<output>2</output>", "reward": 1.0}
+    append_rows(run.output_dir / EVAL_SAMPLES_FILE, [in_training])
+    final = [{**in_training, "step": 4, "completion": "<output>3</output>", "reward": 0.0}]
+    with run.stage("eval"):
+        run.record(EvalResult("file:///checkpoint", 4, {"eval/reward": 0.0}, final))
+    assert read_rows(run.output_dir / EVAL_SAMPLES_FILE) == [in_training, *final]
+    assert logged_rows(tracking, run.run_id, EVAL_SAMPLES_TABLE) == final
