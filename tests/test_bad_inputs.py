@@ -249,6 +249,60 @@ CASES = [
         "--alpha 2.0: give a significance level between 0 and 1",
         args=("compare", "a.json", "b.json", "--alpha", "2"),
     ),
+    # ── a researcher's own task, week one (issue 23 §7, §10) ──────────────────────────────────────────────────
+    Case(
+        "a custom reward that returns NaN",
+        "rewards[1] (tests.reward_fixtures:nan_for_fourth): reward 'nan_for_fourth' returned nan for completion 3",
+        put("rewards", [{"name": "exact_answer"}, {"name": "tests.reward_fixtures:nan_for_fourth"}]),
+    ),
+    Case(
+        "a custom reward that returns None",
+        "reward 'returns_none' returned None (NoneType), not a list",
+        put("rewards", [{"name": "exact_answer"}, {"name": "tests.reward_fixtures:returns_none"}]),
+    ),
+    Case(
+        "a custom reward that returns a string",
+        "reward 'returns_a_string' returned '1.0' (str), not a list",
+        put("rewards", [{"name": "exact_answer"}, {"name": "tests.reward_fixtures:returns_a_string"}]),
+    ),
+    Case(
+        "a custom reward that returns one value too few",
+        "reward 'one_short' returned 7 values for 8 completions",
+        put("rewards", [{"name": "exact_answer"}, {"name": "tests.reward_fixtures:one_short"}]),
+    ),
+    Case(
+        "a misspelt reward kwarg that **kwargs would swallow",
+        "rewards[0].kwargs.tolerence: 'tests.reward_fixtures:reads_kwargs' has no parameter 'tolerence'",
+        put("rewards", [{"name": "tests.reward_fixtures:reads_kwargs", "kwargs": {"tolerence": 0.1}}]),
+    ),
+    Case(
+        "a data column that is also a reward kwarg",
+        "data column 'strict' and rewards[0].kwargs.strict both give",
+        lambda s: (
+            put("data.source", "{dir}/data.jsonl")(s),
+            put("rewards", [{"name": "tests.reward_fixtures:capital_match", "kwargs": {"strict": True}}])(s),
+        ),
+        files={"data.jsonl": '{"prompt": "Capital of Peru?", "answer": "Lima", "strict": false}\n'},
+    ),
+    Case(
+        "a typo in a reward's name, with eval.reward naming it right",
+        "rewards[0].name='tests.reward_fixtures:starts_with_answr': module 'tests.reward_fixtures' has no attribute",
+        lambda s: (
+            put("rewards", [{"name": "tests.reward_fixtures:starts_with_answr"}])(s),
+            put("eval.reward", "starts_with_answer")(s),
+        ),
+    ),
+    Case(
+        "a hub model name that is not in the cache, offline",
+        "model.name_or_path='ballast-tests/no-such-model' is neither a local directory nor in the local Hugging Face",
+        put("model.name_or_path", "ballast-tests/no-such-model"),
+        args=("run", "{spec}"),
+    ),
+    Case(
+        "a data file next to the spec that is not there",
+        "data.source: data file 'missing.jsonl' is neither in the spec's folder",
+        put("data.source", "missing.jsonl"),
+    ),
 ]
 
 
