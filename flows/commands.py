@@ -122,35 +122,11 @@ def cmd_validate(args) -> int:
 
 def _validated(spec: ExperimentSpec, path: str) -> int:
     """The few lines that say what a checked spec will run (validate, run --dryrun)."""
-    from trainer.config import reward_component_names
-    from trainer.data import load_datasets
-    from trainer.locate import in_hf_cache
-    from trainer.rewards import RewardComputer
+    from tasks.spec import describe_run
 
-    m = spec.model
-    where = Path(m.name_or_path).expanduser()
-    if (where / "config.json").is_file():
-        source = "a local model directory"
-    elif m.build_if_missing or m.gguf_file:
-        source = f"built on first use from {m.build_if_missing or m.gguf_file}"
-    else:
-        source = "in the Hugging Face cache" if in_hf_cache(m.name_or_path) else "to be downloaded (HF_HUB_OFFLINE=0)"
-    train, held_out = load_datasets(spec.data)
-    columns = list(dict.fromkeys(k for e in train for k in e.columns))
-    names = reward_component_names(spec.rewards)
-    accuracy = RewardComputer(spec.rewards, group_size=spec.grpo.num_generations).accuracy_name(spec.eval.reward)
-    g = spec.grpo
     print(f"{path}: valid — spec, data, rewards, model and device checked; nothing was run")
-    print(f"  model     {m.name_or_path} ({source}), device {m.device}")
-    print(
-        f"  data      {spec.data.source}: {len(train)} training prompts, {len(held_out)} held out"
-        + (f"; columns for the rewards: {', '.join(columns)}" if columns else "")
-    )
-    print(
-        f"  rewards   {', '.join(f'{n} x{r.weight:g}' for n, r in zip(names, spec.rewards))}; eval/accuracy reads "
-        f"{accuracy or 'none (eval/reward is the score)'}"
-    )
-    print(f"  training  {spec.optim.steps} steps of {g.prompts_per_step} prompts x {g.num_generations} completions")
+    for line in describe_run(spec):
+        print(f"  {line}")
     return 0
 
 

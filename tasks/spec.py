@@ -301,6 +301,36 @@ def check_runnable(spec: ExperimentSpec) -> None:
         raise SpecError(str(e)) from None
 
 
+def describe_run(spec: ExperimentSpec) -> list[str]:
+    """What a checked spec will run, in a few lines (`ballast validate`, `ballast run --dryrun`): the model and where
+    it comes from, the data, the rewards and what eval/accuracy reads, the training batch."""
+    from trainer.config import reward_component_names
+    from trainer.data import load_datasets
+    from trainer.locate import in_hf_cache
+    from trainer.rewards import RewardComputer
+
+    m = spec.model
+    if (Path(m.name_or_path).expanduser() / "config.json").is_file():
+        source = "a local model directory"
+    elif m.build_if_missing or m.gguf_file:
+        source = f"built on first use from {m.build_if_missing or m.gguf_file}"
+    else:
+        source = "in the Hugging Face cache" if in_hf_cache(m.name_or_path) else "to be downloaded (HF_HUB_OFFLINE=0)"
+    train, held_out = load_datasets(spec.data)
+    columns = list(dict.fromkeys(k for e in train for k in e.columns))
+    names = reward_component_names(spec.rewards)
+    accuracy = RewardComputer(spec.rewards, group_size=spec.grpo.num_generations).accuracy_name(spec.eval.reward)
+    g = spec.grpo
+    return [
+        f"model     {m.name_or_path} ({source}), device {m.device}",
+        f"data      {spec.data.source}: {len(train)} training prompts, {len(held_out)} held out"
+        + (f"; columns for the rewards: {', '.join(columns)}" if columns else ""),
+        f"rewards   {', '.join(f'{n} x{r.weight:g}' for n, r in zip(names, spec.rewards))}; eval/accuracy reads "
+        f"{accuracy or 'none (eval/reward is the score)'}",
+        f"training  {spec.optim.steps} steps of {g.prompts_per_step} prompts x {g.num_generations} completions",
+    ]
+
+
 # ── YAML files and validation errors, read the same way for specs and sweep files (sweeps/space.py) ─────
 
 
