@@ -52,6 +52,10 @@ def cmd_run(args) -> int:
     elif args.spec:
         checked = load_spec(args.spec, args.set)  # a bad spec fails here, in about a second
         check_runnable(checked)  # the model is here (or buildable), the device exists: one line, before Prefect
+        if checked.infra.compute != "here":  # (its checks import tasks/remote.py, and torch with it)
+            _check_compute(checked)
+        if args.dryrun and checked.infra.compute == "skypilot":
+            return _dryrun_compute(checked)
         _check_fork(checked)
         if args.dryrun:
             return _validated(checked, args.spec)
@@ -59,6 +63,41 @@ def cmd_run(args) -> int:
     else:
         raise UserError("give an experiment SPEC to run, or --resume RUN_ID to continue a run")
     return _run_pipeline(project_dir, spec, overrides, args.resume)
+
+
+def _check_compute(spec) -> None:
+    """A placement the node could not use (infra.compute: skypilot with embedded stores, a refused accelerator
+    string, spot without s3://): one line, exit 2, before anything is provisioned."""
+    from infra.compute import ComputeError
+    from tasks.remote import check_compute
+
+    try:
+        check_compute(spec)
+    except ComputeError as e:
+        raise UserError(str(e)) from None
+
+
+def _dryrun_compute(spec) -> int:
+    """`ballast run SPEC --dryrun`: the SkyPilot task of the run's stage node, validated by SkyPilot; nothing runs."""
+    from infra.compute import ComputeError
+    from tasks.record import tracking_uri
+    from tasks.remote import plan_skypilot
+
+    if spec.infra.compute != "skypilot":
+        raise UserError(
+            f"--dryrun shows the SkyPilot task of a remote run; this spec has infra.compute: {spec.infra.compute} "
+            "(set infra.compute: skypilot)"
+        )
+    try:
+        plan = plan_skypilot(spec, tracking_uri(spec), "RUN_ID", Path(spec.project_dir) / "launch")
+    except ComputeError as e:
+        raise UserError(str(e)) from None
+    kind = "managed job (spot, recovered by SkyPilot)" if plan.managed else "cluster (autodown after idle)"
+    print(f"# {plan.name}: SkyPilot {kind}; RUN_ID is the MLflow run the flow opens. Accepted by SkyPilot's schema.")
+    if plan.secret_names:
+        print(f"# secrets, read from this environment at launch: {', '.join(plan.secret_names)}")
+    print(plan.yaml(), end="")
+    return 0
 
 
 def _refuse_changed_resume(args, resumed: ExperimentSpec) -> None:

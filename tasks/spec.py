@@ -171,8 +171,16 @@ class StorageConfig(Section):
 
 
 class InfraConfig(Section):
-    """SkyPilot resources for `ballast launch` (infra/skypilot.py); unused when running on this machine."""
+    """Where the GPU stages run (infra/compute.py): `compute: here` (default) trains in the flow's own process;
+    `local` and `skypilot` run the train stage as a separate process on a provisioned node — this machine or a
+    SkyPilot cluster / managed job (`use_spot`) — provision → train → teardown, preemption recovered from the store.
+    The resources are SkyPilot's; `ballast launch` reads them too."""
 
+    compute: Literal["here", "local", "skypilot"] = Field(
+        "here",
+        description="here: train in the flow's process (the default); local: a provisioned stage process on this "
+        "machine (the same path as skypilot, for tests and debugging); skypilot: a SkyPilot node.",
+    )
     accelerators: str | None = Field(
         None, description="e.g. 'H200:2' (with rollout.engine: vllm, trainer on GPU 0, vLLM on GPU 1)."
     )
@@ -190,6 +198,20 @@ class InfraConfig(Section):
         description="Names of environment variables (HF_TOKEN, AWS_ACCESS_KEY_ID, ...) whose "
         "values are read at launch and passed to the node as SkyPilot secrets; never stored.",
     )
+    disk_size: int | None = Field(None, ge=1, description="Node disk in GB (SkyPilot's default: 256).")
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        le=100,
+        description="How many times a preempted train stage is relaunched (resuming from the store's newest "
+        "checkpoint) before the run fails; SkyPilot managed jobs (use_spot) recover preemptions themselves.",
+    )
+    autostop_minutes: int = Field(
+        30,
+        ge=1,
+        description="SkyPilot autostop/autodown backstop: a cluster idle this long is torn down even if the "
+        "flow that provisioned it died.",
+    )
 
 
 class ExperimentSpec(TrainerConfig):
@@ -203,7 +225,9 @@ class ExperimentSpec(TrainerConfig):
     probe: ProbeConfig = Field(default_factory=ProbeConfig, description="The artifact probe of saved checkpoints.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow: where runs are recorded.")
     storage: StorageConfig = Field(default_factory=StorageConfig, description="Where checkpoints are stored.")
-    infra: InfraConfig = Field(default_factory=InfraConfig, description="GPU nodes for `ballast launch` (SkyPilot).")
+    infra: InfraConfig = Field(
+        default_factory=InfraConfig, description="Where the GPU stages run: here, a local stage process, SkyPilot."
+    )
 
     @field_validator("name")
     @classmethod
@@ -293,7 +317,10 @@ def validate_spec(data: dict, where: str = "spec", spec_dir: Path | None = None)
 
 def check_runnable(spec: ExperimentSpec) -> None:
     """What a command that loads the model checks after the spec, still without torch: the model can be found (or
-    built) here, offline, and the device exists (trainer/locate.py). A SpecError naming the field."""
+    built) here, offline, and the device exists (trainer/locate.py). A SpecError naming the field. With
+    infra.compute: skypilot the model loads on the node, which has its own devices and downloads."""
+    if spec.infra.compute == "skypilot":
+        return
     try:
         check_device(spec.model.device)
         check_model_source(spec.model)
