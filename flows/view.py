@@ -24,6 +24,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.client.orchestration import get_client
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
+from prefect.settings import PREFECT_UI_URL
 from rich.console import Console
 
 from flows import runtime
@@ -134,7 +135,10 @@ def name_failed_start() -> None:
     """The flow run failed before its MLflow run existed (a spec error, a fork refused, a store down): its name says
     so (`<spec>-failed`) instead of keeping `<spec>-starting` for good. Outside a flow run: nothing to rename."""
     if flow_run.id:
-        rename_flow_run(f"{_named()}-failed")
+        try:
+            rename_flow_run(f"{_named()}-failed")
+        except Exception:  # the name is a courtesy: the error that failed the run is what must come through
+            pass
 
 
 def rename_flow_run(name: str) -> None:
@@ -161,10 +165,10 @@ def flow_run_link() -> dict[str, str]:
     embedded API, else the server's, PREFECT_UI_URL). Empty outside a flow run."""
     if not flow_run.id:
         return {}
-    ui = f"http://127.0.0.1:{PREFECT_UI_PORT}" if runtime.embedded() else (flow_run.ui_url or "").split("/runs/")[0]
+    ui = f"http://127.0.0.1:{PREFECT_UI_PORT}" if runtime.embedded() else PREFECT_UI_URL.value()
     link = {FLOW_RUN_ID_TAG: flow_run.id}
     if ui:
-        link[FLOW_RUN_URL_TAG] = f"{ui}/runs/flow-run/{flow_run.id}"
+        link[FLOW_RUN_URL_TAG] = f"{ui.rstrip('/')}/runs/flow-run/{flow_run.id}"  # the UI's route for a flow run
     return link
 
 

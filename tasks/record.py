@@ -15,10 +15,13 @@ What the MLflow UI shows: the experiment is marked a model-training one (`mlflow
 Ballast prints opens the UI in that mode; runs carry MLflow's own source, commit and user tags and a description
 (`mlflow.note.content`) that says what the run was and how it ended; a pipeline run is named `<spec>-<run id[:8]>`,
 its stage runs `<stage> · <that name>`. Run facts with long values (paths, URIs, the full commit) are params under
-`ballast.` (output_dir, checkpoint_prefix, fork_checkpoint, base_model, code_commit), so the run page's tag chips
-stay short enough to read; tags under `ballast.` hold the short ones: status, stop_reason, spec_hash,
+`ballast.` (output_dir, checkpoint_prefix, fork_checkpoint, base_model, code_commit, model_uri), so the run page's
+tag chips stay short enough to read; tags under `ballast.` hold the short ones: status, stop_reason, spec_hash,
 data_fingerprint, code_dirty, parent_run_id (the fork's source run: a tag, so `tags.ballast.parent_run_id = '…'`
-finds a run's forks), parent_step, fork_logprob_diff, probe_passed, probe_malformed_rate.
+finds a run's forks), parent_step, fork_logprob_diff, probe_passed, probe_malformed_rate. The Prefect flow run
+that recorded the run is linked by the tags `prefect.flow_run_id` and `prefect.flow_run_url` and in the
+description; the final checkpoint is the run's MLflow model `model` (tasks/mlflow_model.py), its prompt sets its
+dataset inputs.
 
 A sweep's trial run is read side by side with its siblings (MLflow's Compare), so it is recorded for that: its
 params are the swept parameters alone (the whole spec is its `spec.yaml` artifact; paths, prefixes and ids are
@@ -80,6 +83,7 @@ MODEL_NAME = "model"  # the final checkpoint as an MLflow model (tasks/mlflow_mo
 MODEL_CODE = Path(__file__).with_name("mlflow_model.py")
 TRAINER_CODE = Path(__file__).resolve().parent.parent / "trainer"  # travels with the model: it loads the checkpoint
 SAMPLES_SHOWN = 12  # sample rows per table on the run report
+PREFECT_URL_TAG = "prefect.flow_run_url"  # given by the flow (flows/view.py flow_run_link) with prefect.flow_run_id
 # MLflow's run page (Model metrics) draws a section per metric prefix, sections in alphabetical order and metrics
 # with no prefix (reward, kl) last — so it opened on advantages/* and clip_ratio/*, near zero by construction. The
 # numbers a person looks at first are also logged under HEADLINE, which sorts before any letter: that section opens.
@@ -258,6 +262,7 @@ class RunRecorder:
             self.client, run_id, spec.tracking.log_every, spool=self.output_dir / PENDING, replayed=resumed
         )
         self.headline = Headline(self.metrics)  # a trainer callback, beside `metrics`
+        self.prefect_url: str | None = None  # the Prefect flow run recording this attempt, linked in the description
         self.started = time.perf_counter()
         self._stage_run: str | None = None
         self.flat_stages = False  # a sweep trial's run: stages record onto the run itself (start())
@@ -284,6 +289,7 @@ class RunRecorder:
         run_id = tracking.create_run(spec.name, parent_run_id)
         tracking.client.set_tag(run_id, "mlflow.runName", run_name(spec.name, run_id))
         run = cls(tracking, spec, run_id, source, resumed=False)
+        run.prefect_url = (tags or {}).get(PREFECT_URL_TAG)
         run.output_dir.mkdir(parents=True, exist_ok=True)
         (run.output_dir / "spec.yaml").write_text(dump_spec(spec))
         params = flat_params(spec)
@@ -301,6 +307,7 @@ class RunRecorder:
     def resume(cls, tracking: Tracking, spec: ExperimentSpec, run_id: str, tags: dict | None = None) -> RunRecorder:
         """The recorder of an interrupted run, RUNNING again; `tags` are this attempt's (its Prefect flow run)."""
         run = cls(tracking, spec, run_id, tracking.fork_source_of(run_id), resumed=True)
+        run.prefect_url = (tags or {}).get(PREFECT_URL_TAG)
         run.client.update_run(run_id, status="RUNNING")
         run.tracking.set_tags(
             run_id, {"status": "running", "mlflow.note.content": run.note("**Resumed; running.**"), **(tags or {})}
@@ -420,7 +427,7 @@ class RunRecorder:
                 },
                 step=checkpoint.step,
             )
-        self.tracking.set_tags(self.run_id, {"model_uri": info.model_uri})
+        self.tracking.log_params(self.run_id, {TAG + "model_uri": info.model_uri})  # long: a param (LONG_FACTS)
         return info.model_uri
 
     def note(self, ending: str) -> str:
@@ -434,10 +441,11 @@ class RunRecorder:
             else (f"forked from `{s.checkpoint_uri}`" if s.checkpoint_uri else "from the base model")
         )
         dirty = " with uncommitted changes" if self.code["dirty"] else ""
+        prefect = f" [Prefect flow run]({self.prefect_url})." if self.prefect_url else ""
         return (
             f"{ending}\n\nGRPO fine-tuning of `{spec.model.name_or_path}` ({weights}) on `{spec.data.source}` for "
             f"{spec.optim.steps} steps, {start}; fork → train → checkpoint → artifact-probe → eval. Spec "
-            f"`{spec.name}` (artifact `spec.yaml`), Ballast commit `{self.code['commit'][:12]}`{dirty}."
+            f"`{spec.name}` (artifact `spec.yaml`), Ballast commit `{self.code['commit'][:12]}`{dirty}.{prefect}"
         )
 
     @contextmanager

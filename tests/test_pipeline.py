@@ -300,7 +300,7 @@ def test_full_finetune_runs_the_whole_pipeline_with_probe_and_eval(tiny_model, t
 def test_the_final_checkpoint_is_an_mlflow_model_that_loads_and_decodes_as_the_eval_did(finished_run, tiny_model):
     project, _, summary = finished_run
     client = mlflow_client(project)
-    uri = client.get_run(summary["run_id"]).data.tags["ballast.model_uri"]
+    uri = client.get_run(summary["run_id"]).data.params["ballast.model_uri"]
     (logged,) = client.search_logged_models([client.get_run(summary["run_id"]).info.experiment_id])
     assert logged.source_run_id == summary["run_id"] and uri == f"models:/{logged.model_id}"
     model = mlflow.pyfunc.load_model(uri)
@@ -315,13 +315,18 @@ def test_the_final_checkpoint_is_an_mlflow_model_that_loads_and_decodes_as_the_e
 def test_a_finished_run_registers_its_model_under_tracking_register_as(finished_run):
     project, _, summary = finished_run
     (version,) = mlflow_client(project).search_model_versions("name = 'pipeline-test'")
-    assert version.run_id == summary["run_id"] and version.version == "1"
+    assert version.run_id == summary["run_id"] and str(version.version) == "1"
 
 
 def test_the_mlflow_run_names_its_prefect_flow_run(finished_run):
     project, state, summary = finished_run
+    from prefect.settings import PREFECT_UI_URL
+
     tags = mlflow_client(project).get_run(summary["run_id"]).data.tags
-    assert tags["prefect.flow_run_id"] == str(state.state_details.flow_run_id)
+    flow_run_id = str(state.state_details.flow_run_id)
+    assert tags["prefect.flow_run_id"] == flow_run_id
+    assert tags["prefect.flow_run_url"] == f"{PREFECT_UI_URL.value()}/runs/flow-run/{flow_run_id}"
+    assert f"[Prefect flow run]({tags['prefect.flow_run_url']})." in tags["mlflow.note.content"]
 
 
 def test_the_prompt_sets_are_the_runs_dataset_inputs(finished_run):
