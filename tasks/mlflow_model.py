@@ -9,7 +9,8 @@ loads the base model it names plus the adapter, so the base model (`base_model` 
 Face name or a path) must be reachable where the model is loaded. The trainer package travels with the model
 (`code_paths`), so loading needs torch, transformers and peft, not Ballast.
 
-Input: a list of prompts, or a DataFrame with a `prompt` column. Params: `max_tokens`, `temperature`.
+Input: a list of prompts, or a DataFrame of one column of them (named `prompt` where it has more). Params:
+`max_tokens`, `temperature`.
 """
 
 from __future__ import annotations

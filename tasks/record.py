@@ -404,7 +404,7 @@ class RunRecorder:
         from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 
         signature = ModelSignature(
-            inputs=Schema([ColSpec("string", "prompt")]),
+            inputs=Schema([ColSpec("string")]),  # a list of prompts, or a table whose column holds them
             outputs=Schema([ColSpec("string")]),
             params=ParamSchema(
                 [ParamSpec("max_tokens", "long", spec.eval.max_tokens), ParamSpec("temperature", "double", 0.0)]
