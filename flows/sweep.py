@@ -116,34 +116,40 @@ class TrialProgress(Callbacks):
     """One line per trial while it trains: step, reward, the last held-out score, ETA. Rewritten in place on a
     terminal; in a log (Prefect, a pipe) a line every `every` steps and at each eval point."""
 
-    def __init__(self, number: int, steps: int, label: str = "", every: int = 4):
-        self.number, self.steps, self.label, self.every = number, steps, label, every
+    def __init__(self, number: int, steps: int, label: str = "", every: int = 4, metric: str = "eval/reward"):
+        self.number, self.steps, self.label, self.every, self.metric = number, steps, label, every, metric
         self.started, self.eval_score = time.perf_counter(), None
         self.tty = sys.stdout.isatty()
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         if step == 0:
             return
-        evaluated = "eval/reward" in metrics
+        evaluated = self.metric in metrics
         if evaluated:
-            self.eval_score = metrics["eval/reward"]
+            self.eval_score = metrics[self.metric]
         rate = (time.perf_counter() - self.started) / step
         eta = rate * (self.steps - step)
         parts = [f"{self.label}  trial {self.number}: step {step}/{self.steps}"]
         if "reward" in metrics:
             parts.append(f"reward {metrics['reward']:.3f}")
         if self.eval_score is not None:
-            parts.append(f"eval/reward {self.eval_score:.3f}")
+            parts.append(f"{self.metric} {self.eval_score:.3f}")
         parts.append(f"ETA {eta:.0f} s")
         line = ", ".join(parts)
         if self.tty:
-            print("\r" + line.ljust(100), end="" if step < self.steps else "\n", flush=True)
+            _say("\r" + line.ljust(100))
         elif evaluated or step % self.every == 0 or step == self.steps:
-            print(line, flush=True)
+            _say(line + "\n")
 
     def close(self) -> None:
         if self.tty:
-            print("\r" + " " * 100 + "\r", end="", flush=True)
+            _say("\r" + " " * 100 + "\r")
+
+
+def _say(text: str) -> None:
+    """To the terminal as it is: inside the pipeline flow `print` goes to Prefect's run log (log_prints)."""
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 # ------------------------------------------------------------------------------------------ trials
@@ -154,7 +160,8 @@ def run_worker(study, sweep, recorder: SweepRecorder, label: str = "", timeout_s
     started = time.perf_counter()
 
     def run_fn(spec, callbacks, trial):
-        progress = TrialProgress(trial.number, spec.optim.steps, label)
+        metric = sweep.objectives[0].key if sweep.objectives[0].key.startswith("eval/") else "eval/reward"
+        progress = TrialProgress(trial.number, spec.optim.steps, label, metric=metric)
         try:
             return run_pipeline(
                 spec.model_dump(mode="json"),
@@ -220,9 +227,16 @@ def trial_line(frozen) -> str:
     return f"trial {frozen.number} {frozen.state.name} after {steps} steps: {what}  ({format_values(frozen.params)})"
 
 
+def make_recorder(sweep) -> SweepRecorder:
+    recorder = SweepRecorder(validate_spec(base_spec(sweep), "sweep base spec"), sweep.study_name)
+    key = sweep.objectives[0].key
+    recorder.objective = key if key.startswith("eval/") else None  # held-out: its trial runs carry Gain/<key>
+    return recorder
+
+
 def open_sweep(sweep, storage_url: str, n_trials: int | None, worker: int):
     """Storage (heartbeats + interrupted-trial bookkeeping), study, recorder and its parent run."""
-    recorder = SweepRecorder(validate_spec(base_spec(sweep), "sweep base spec"), sweep.study_name)
+    recorder = make_recorder(sweep)
     storage = make_storage(storage_url, sweep.heartbeat, on_interrupted=recorder.record_interrupted)
     study = open_study(sweep, storage, n_trials, worker=worker)
     with warnings.catch_warnings():  # experimental in Optuna 5; optuna-dashboard shows these, not "Objective 0"
@@ -334,7 +348,7 @@ def ballast_sweep_worker(
     study: str, storage: str, trials: int | None = None, worker: int = 0, summary: bool = True
 ) -> SweepSummary | None:
     _, sweep = join_study(study, make_storage(storage), worker=worker)  # the definition, then the real storage
-    recorder = SweepRecorder(validate_spec(base_spec(sweep), "sweep base spec"), sweep.study_name)
+    recorder = make_recorder(sweep)
     st, sweep = join_study(
         study, make_storage(storage, sweep.heartbeat, on_interrupted=recorder.record_interrupted), worker=worker
     )

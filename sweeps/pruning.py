@@ -96,6 +96,7 @@ def record_gain(trial: optuna.Trial, result: PipelineResult, sweep: SweepSpec) -
     gain = gain_of(first.key, result.eval_per_prompt, load_baseline(trial.study), first.direction)
     if gain is None:
         return
+    trial.set_user_attr("gain_metric", first.key)
     trial.set_user_attr("score", gain.score)
     trial.set_user_attr("gain", gain.gain)
     trial.set_user_attr("gain_stderr", gain.stderr)

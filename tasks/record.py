@@ -71,6 +71,7 @@ DEFAULT_UI_URL = "http://127.0.0.1:5000"  # where `ballast ui` serves the embedd
 SOURCE_NAME = "flows/pipeline.py:ballast_pipeline"
 LONG_FACTS = ("code_commit", "base_model", "output_dir", "checkpoint_prefix", "fork_checkpoint")
 SWEPT_TAG = "swept"  # a sweep trial's run: the comma-joined swept spec fields, its only params
+GAIN_TAG = "gain_metric"  # a sweep trial's run: its gain over the baseline, Gain/<objective> (NaN until it ends)
 # A run that did not end well is not FINISHED in MLflow (the runs table shows the status, not the tags): the health
 # gate stopped it or the probe failed it (FAILED), or a sweep's pruner stopped it on purpose (KILLED).
 MLFLOW_STATUS: dict[RunStatus, str] = {
@@ -297,6 +298,8 @@ class RunRecorder:
             run.flat_stages = True
             swept = [k for k in str(tags[SWEPT_TAG]).split(",") if k]
             params = {k: v for k, v in params.items() if k in swept}
+            if tags.get(GAIN_TAG):  # logged first, so Compare (which opens on a run's first metric) opens on it
+                tracking.client.log_metric(run_id, str(tags[GAIN_TAG]), float("nan"), step=0)
         tracking.log_params(run_id, params)
         run.client.log_artifact(run_id, str(run.output_dir / "spec.yaml"))
         run._lineage(tags)
@@ -427,7 +430,10 @@ class RunRecorder:
                 },
                 step=checkpoint.step,
             )
-        self.tracking.log_params(self.run_id, {TAG + "model_uri": info.model_uri})  # long: a param (LONG_FACTS)
+        if self.flat_stages:  # a sweep trial's params are its swept parameters alone (Compare's axes)
+            self.tracking.set_tags(self.run_id, {TAG + "model_uri": info.model_uri})
+        else:
+            self.tracking.log_params(self.run_id, {TAG + "model_uri": info.model_uri})  # long: a param (LONG_FACTS)
         return info.model_uri
 
     def note(self, ending: str) -> str:
@@ -780,6 +786,7 @@ class SweepRecorder:
         self.tracking, self.study_name = Tracking(base_spec), study_name
         self.client = self.tracking.client
         self.parent_run_id: str | None = None
+        self.objective: str | None = None  # a held-out objective (eval/*): trial runs carry Gain/<it>
 
     def open_parent(self, study, params: dict[str, str], tags: dict) -> str:
         """The study's parent run: created with the study, found again on resume."""
@@ -832,7 +839,12 @@ class SweepRecorder:
     def trial_tags(self, number: int, params: dict) -> dict:
         """Tags a trial's pipeline run carries, so its verdict can find it; `swept` makes the swept fields its only
         params (RunRecorder.start)."""
-        return {"study": self.study_name, "trial_number": number, SWEPT_TAG: ",".join(params)}
+        return {
+            "study": self.study_name,
+            "trial_number": number,
+            SWEPT_TAG: ",".join(params),
+            GAIN_TAG: f"Gain/{self.objective}" if self.objective else None,
+        }
 
     def record_baseline(self, baseline) -> None:
         """The base model's held-out scores (sweeps/baseline.py) on the parent run: metrics `baseline/<metric>`,
@@ -877,9 +889,9 @@ class SweepRecorder:
             if key.startswith("objective/"):
                 self.client.log_metric(rid, key, float(value))
         if attrs.get("gain") is not None:  # capitalised: Compare's plots open on the first metric, sorted
-            key = next((k.removeprefix("objective/") for k in attrs if k.startswith("objective/")), "score")
-            self.client.log_metric(rid, f"Gain/{key}", float(attrs["gain"]))
-            self.client.log_metric(rid, f"Gain/{key}_ci95", 1.96 * float(attrs["gain_stderr"]))
+            key, step = attrs.get("gain_metric", "score"), int(attrs.get("last_step") or 0)
+            self.client.log_metric(rid, f"Gain/{key}", float(attrs["gain"]), step=step)
+            self.client.log_metric(rid, f"Gain/{key}_ci95", 1.96 * float(attrs["gain_stderr"]), step=step)
         if frozen.state.name == "PRUNED":  # stopped on purpose, not a crash: FINISHED, the outcome says how
             self.client.set_terminated(rid, "FINISHED")
 

@@ -237,9 +237,9 @@ def test_summary_names_the_best_trial_or_pareto_set_and_draws_the_plots(tiny_mod
     study = synthetic_study(sweep, lambda i: [0.1 * (i + 1), [0.9, 0.05, 0.5, 0.1][i]][:objectives])
     s = summarize(study, sweep)
     assert s.states == {"COMPLETE": 4, "PRUNED": 1} and s.trial_steps == 35 and s.pruned_by_health_gate == 1
-    if objectives == 1:
+    assert s.importances["n_complete"] == 4 and "skipped" in s.importances  # too few for an importance ranking
+    if objectives == 1:  # no baseline in this study: nothing to be relative to, the best is the best
         assert s.best["number"] == 3 and s.best["values"] == {"eval/reward": pytest.approx(0.4)}
-        assert set(s.importances["eval/reward"]) == {"optim.learning_rate", "lora.r"}
     else:
         assert sorted(r["number"] for r in s.pareto) == [1, 3]  # (0.2, 0.05) and (0.4, 0.1): nothing beats them on both
     plots, skipped = plot_study(study, sweep, tmp_path / "plots")
@@ -285,18 +285,41 @@ def test_sweep_finishes_its_trials_and_exits_0(finished_sweep):
 def test_sweep_is_one_mlflow_parent_run_with_a_child_run_per_trial(finished_sweep):
     parent, children, trials = finished_sweep["parent"], finished_sweep["children"], finished_sweep["trials"]
     assert parent.info.status == "FINISHED"
+    assert len(children) == len(trials)  # trials only: their stages are recorded on the trial runs, not below them
     assert parent.data.tags["ballast.kind"] == "sweep" and parent.data.tags["ballast.study"] == "lr-sweep"
     assert "space.optim.learning_rate" in parent.data.params
     by_number = {int(r.data.tags["ballast.trial_number"]): r for r in children}
     assert sorted(by_number) == sorted(t.number for t in trials)
     for t in trials:
         run = by_number[t.number]
-        assert float(run.data.params["optim.learning_rate"]) == t.params["optim.learning_rate"]
+        assert run.data.params == {"optim.learning_rate": str(t.params["optim.learning_rate"])}  # the swept ones
+        assert run.data.tags["ballast.output_dir"] and run.data.tags["ballast.base_model"]  # facts are tags
+        assert run.data.tags["ballast.swept"] == "optim.learning_rate"
         assert run.data.tags["ballast.trial_state"] == t.state.name
         assert run.data.tags["ballast.spec_hash"]  # the pipeline's own lineage is there too
         assert t.user_attrs["mlflow_run_id"] == run.info.run_id
         if t.state.name == "COMPLETE":
             assert run.data.metrics["objective/eval/reward"] == pytest.approx(t.value)
+        assert run.data.metrics["Gain/eval/reward"] == pytest.approx(t.user_attrs["gain"])  # pruned trials too
+        assert "eval/reward_stderr" in run.data.metrics
+
+
+def test_the_baseline_is_measured_once_before_the_first_trial_and_every_trial_is_read_against_it(finished_sweep):
+    from sweeps.baseline import Z95, load_baseline
+
+    study = load(finished_sweep["project"])
+    baseline = load_baseline(study)
+    assert baseline.source.startswith("base model ") and len(baseline.per_prompt["reward"]) == 8
+    parent = finished_sweep["parent"]
+    assert parent.data.metrics["baseline/eval/reward"] == pytest.approx(baseline.metrics["eval/reward"])
+    assert parent.data.metrics["baseline/eval/reward_stderr"] == pytest.approx(baseline.metrics["eval/reward_stderr"])
+    assert parent.data.tags["ballast.baseline"].startswith(f"{baseline.source}: eval/reward ")
+    for t in finished_sweep["trials"]:
+        score, gain, se = t.user_attrs["score"], t.user_attrs["gain"], t.user_attrs["gain_stderr"]
+        assert gain == pytest.approx(score - baseline.metrics["eval/reward"])
+        assert t.user_attrs["beats_baseline"] == (gain > Z95 * se)
+    verdict = parent.data.tags["ballast.verdict"]
+    assert verdict.startswith(("best: trial ", "no trial beat the base model beyond noise"))
 
 
 def test_sweep_summary_is_logged_to_the_parent_run(finished_sweep):
@@ -339,12 +362,16 @@ def pipeline_states(study_name: str) -> dict[int, tuple[str, str]]:
     }
 
 
-def test_a_collapsed_trial_is_failed_in_mlflow_and_named_collapsed_in_prefect(finished_sweep):
+def test_a_collapsed_trial_is_pruned_not_a_crash_in_mlflow_and_named_collapsed_in_prefect(finished_sweep):
     runs = {int(r.data.tags["ballast.trial_number"]): r for r in finished_sweep["children"]}
     states = pipeline_states("lr-sweep")
     for t in finished_sweep["trials"]:
         if t.params["optim.learning_rate"] == COLLAPSE_LR:
-            assert (runs[t.number].info.status, runs[t.number].data.tags["ballast.status"]) == ("FAILED", "collapsed")
+            run = runs[t.number]
+            outcome = f"pruned: collapsed at step {t.user_attrs['last_step']}"
+            assert (run.info.status, run.data.tags["ballast.status"]) == ("FINISHED", "collapsed")
+            assert run.data.tags["ballast.outcome"] == outcome
+            assert run.data.tags["mlflow.runName"] == f"trial {t.number} · {outcome}"
             assert states[t.number] == ("FAILED", "Collapsed")
         else:
             assert (runs[t.number].info.status, runs[t.number].data.tags["ballast.status"]) == ("FINISHED", "finished")
@@ -416,6 +443,15 @@ def test_a_sweep_with_no_completed_trial_says_so_exits_3_and_its_parent_run_is_f
     assert [t.state.name for t in study.trials] == ["PRUNED"]
     parent = mlflow_client(project).get_run(study.user_attrs["ballast.mlflow_parent_run_id"])
     assert (parent.info.status, parent.data.tags["ballast.status"]) == ("FAILED", "no_completed_trial")
+
+
+def test_a_set_with_an_unknown_key_exits_2_before_any_study_exists(tiny_model, tmp_path, capsys):
+    project = tmp_path / "project"
+    path = sweep_file(tmp_path / "sweep.yaml", tiny_model, project)
+    assert ballast("sweep", path, "--set", "optim.stepz=3") == 2
+    err = capsys.readouterr().err.strip()
+    assert "--set optim.stepz: 'optim.stepz' is not a field of the experiment spec" in err and "\n" not in err
+    assert not (project / "optuna.db").exists()
 
 
 # ── the study: seeds and the trial count ───────────────────────────────────────────────────────────
