@@ -155,9 +155,8 @@ def test_no_two_modules_import_each_other_even_inside_a_function():
 def test_the_cycle_check_finds_a_circle_through_a_function_level_import():
     graph = import_graph()
     assert "flows.commands" in graph["flows.cli"]  # importlib.import_module("flows.commands")
-    assert cycles({**graph, "trainer.packing": graph["trainer.packing"] | {"trainer.logprobs"}}) == [
-        ["trainer.logprobs", "trainer.packing", "trainer.logprobs"]
-    ]
+    found = cycles({**graph, "trainer.packing": graph["trainer.packing"] | {"trainer.logprobs"}})
+    assert any(set(circle) == {"trainer.logprobs", "trainer.packing"} for circle in found), found
 
 
 # ── the checkpoint format's one home ───────────────────────────────────────────────────────────────
