@@ -1,0 +1,216 @@
+"""Two gloo ranks on CPU compute the step one process computes on the same global batch (trainer/distributed.py).
+
+A global batch of 4 prompts × 2 completions on the tiny model — left-padded prompts and right-padded completions of
+different lengths, one row out of the loss (a masked truncation) and a group with zero advantage — is trained by one
+process and by two ranks spawned here (torch.multiprocessing, the gloo backend, one torch thread each), each rank on
+its 2 whole groups. Two optimizer updates on it (the second with ratios off 1, so clipping is exercised), with and
+without gradient accumulation, for grpo, dapo and dr_grpo, LoRA and full fine-tuning, FSDP2 and DDP: the loss,
+every gradient (gathered whole), the gradient norm, the parameters after each optimizer step and the update metrics
+of the two ranks equal the single process's (float32; the tolerance is below, from summing in another order).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from trainer import distributed as dd
+from trainer.config import GRPOConfig, LoraConfig, ModelConfig
+from trainer.loss import BatchTotals, LossTerms, grpo_loss
+from trainer.metrics import update_metrics
+
+WORLD = 2
+PROMPTS, G, LP, TC = 4, 2, 5, 6
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+SPLITS = (1, 2)  # micro-batches per rank (1: no gradient accumulation)
+UPDATES = 2
+# float32 summed in another order across ranks: scalars (loss, grad norm, metrics) to 1e-5 relative; tensors
+# (gradients, parameters) elementwise to 1e-4 relative + 1e-5 absolute (gradient norms here are ~1e3)
+RTOL, ATOL = 1e-5, 1e-6
+T_RTOL, T_ATOL = 1e-4, 1e-5
+LR = 1e-2
+P_ATOL = 0.01 * LR  # parameters after AdamW: 1% of one step (Adam's g / sqrt(v) magnifies a near-zero gradient's rounding)
+
+
+# ------------------------------------------------------------------------ the global batch and one step
+
+
+def global_batch() -> dict:
+    """The same global batch on every rank, from a seeded generator; rows are (prompt, completion) in prompt order."""
+    g = torch.Generator().manual_seed(1234)
+    B = PROMPTS * G
+    ids = torch.zeros((B, LP + TC), dtype=torch.long)
+    attn = torch.zeros((B, LP + TC), dtype=torch.long)
+    mask = torch.zeros((B, TC))
+    for row in range(B):
+        p_len, c_len = 2 + row % 3, 1 + (row * 5) % TC
+        ids[row, LP - p_len : LP + c_len] = torch.randint(3, 200, (p_len + c_len,), generator=g)
+        attn[row, LP - p_len : LP + c_len] = 1
+        mask[row, :c_len] = 1
+    mask[3] = 0  # a truncated completion, masked out of the loss (its row still counts for dr_grpo)
+    rewards = torch.randn(PROMPTS, G, generator=g)
+    rewards[2] = 0.5  # a zero-std group: advantage 0
+    adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).reshape(B)
+    ref_offset = 0.2 * torch.randn((B, TC), generator=g)  # the reference: pi_old's logprobs moved by this
+    return {"ids": ids, "attn": attn, "mask": mask, "adv": adv, "ref_offset": ref_offset}
+
+
+def rows_of(batch: dict, rank: int, size: int) -> dict:
+    """Rank `rank`'s whole groups of the global batch."""
+    prompts = dd.shard(list(range(PROMPTS)), rank, size)
+    rows = [p * G + j for p in prompts for j in range(G)]
+    return {k: v[rows] for k, v in batch.items()}
+
+
+def load(model_path: Path, lora: bool):
+    from tests.conftest import perturb_lora
+    from trainer.model import load_policy
+
+    torch.manual_seed(0)
+    lora_cfg = LoraConfig(r=4, alpha=8) if lora else LoraConfig(enabled=False)
+    model, _ = load_policy(ModelConfig(name_or_path=str(model_path), device="cpu", torch_threads=1), lora_cfg)
+    if lora:
+        perturb_lora(model, seed=7)
+    return model
+
+
+def train_updates(model_path: Path, lora: bool, parallel: str, loss_type: str, parts: int) -> dict:
+    """Two optimizer updates on this process's rows of the global batch (all of it in one process), as the trainer's
+    step 7 makes them: pi_old from the first pass, the global batch's BatchTotals, micro-batches, clip, AdamW."""
+    world = dd.world()
+    batch = rows_of(global_batch(), world.rank, world.size)
+    wrapped = dd.wrap(load(model_path, lora), parallel)
+    params = [p for p in wrapped.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=LR)
+    cfg = GRPOConfig(loss_type=loss_type, beta=0.04, num_generations=G, prompts_per_step=PROMPTS)
+    totals = dd.reduce_totals(BatchTotals.of(batch["mask"]))
+    n = batch["ids"].shape[0]
+    micro = [slice(i * n // parts, (i + 1) * n // parts) for i in range(parts)]
+    old, ref = torch.zeros_like(batch["ref_offset"]), torch.zeros_like(batch["ref_offset"])
+    out: dict = {"totals": totals, "loss": [], "grad_norm": [], "grads": [], "params": [], "metrics": []}
+    for it in range(UPDATES):
+        loss_sum, terms = 0.0, []
+        for k, s in enumerate(micro):
+            with dd.accumulating(wrapped, last=k == len(micro) - 1):
+                lp, _ = wrapped(batch["ids"][s], batch["attn"][s], TC, temperature=1.0, chunk_size=4)
+                if it == 0:
+                    old[s] = lp.detach()
+                    ref[s] = old[s] + batch["ref_offset"][s]
+                loss, part = grpo_loss(
+                    lp,
+                    old[s],
+                    batch["adv"][s],
+                    batch["mask"][s],
+                    cfg,
+                    ref_logprobs=ref[s],
+                    totals=totals,
+                    max_completion_length=TC,
+                )
+                loss.backward()
+            loss_sum += float(loss.detach())
+            terms.append(part)
+        out["loss"].append(dd.sum_scalar(loss_sum))
+        out["grads"].append([dd.full_tensor(p.grad).detach().clone() for p in params])
+        out["grad_norm"].append(float(dd.clip_grad_norm(params, 1.0)))
+        if world.distributed:
+            out["metrics"].append(dd.update_metrics(LossTerms.cat(terms), batch["mask"], "token"))
+        else:
+            out["metrics"].append(update_metrics(LossTerms.cat(terms), batch["mask"], "token"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        out["params"].append([dd.full_tensor(p.detach()).clone() for p in params])
+    return out
+
+
+# ------------------------------------------------------------------------ spawning ranks
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, port: int, fn, args, out_dir: str) -> None:
+    os.environ.update(
+        {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1"}
+    )
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dd.init("cpu", timeout_s=120)
+    try:
+        result = fn(*args)
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dd.close()
+
+
+def spawn(fn, args: tuple, out_dir: Path) -> list:
+    """Run fn(*args) on WORLD gloo ranks; each rank's return value."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mp.start_processes(_rank_main, args=(free_port(), fn, args, str(out_dir)), nprocs=WORLD, start_method="spawn")
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def _all_configs(model_path: Path, lora: bool, parallel: str) -> dict:
+    return {(lt, parts): train_updates(model_path, lora, parallel, lt, parts) for lt in LOSS_TYPES for parts in SPLITS}
+
+
+@pytest.fixture(scope="module")
+def single(tiny_model) -> dict:
+    torch.set_num_threads(1)
+    return {lora: _all_configs(tiny_model, lora, "none") for lora in (True, False)}
+
+
+_RUNS: dict = {}
+
+
+def two_ranks(tiny_model, tmp_path_factory, parallel: str, lora: bool) -> list:
+    key = (parallel, lora)
+    if key not in _RUNS:
+        _RUNS[key] = spawn(_all_configs, (tiny_model, lora, parallel), tmp_path_factory.mktemp(f"{parallel}-{lora}"))
+    return _RUNS[key]
+
+
+# ------------------------------------------------------------------------ the tests
+
+
+def test_shard_gives_each_rank_whole_groups_of_the_same_global_batch():
+    batch = [11, 5, 42, 7, 3, 9]
+    assert [dd.shard(batch, r, 2) for r in range(2)] == [[11, 5, 42], [7, 3, 9]]
+    assert [dd.shard(batch, r, 3) for r in range(3)] == [[11, 5], [42, 7], [3, 9]]
+    assert [list(dd.shard_range(6, r, 3)) for r in range(3)] == [[0, 1], [2, 3], [4, 5]]
+    with pytest.raises(ValueError, match="4 prompts cannot be split evenly over 3 ranks"):
+        dd.shard(batch[:4], 0, 3)
+
+
+@pytest.mark.parametrize("parallel", ["fsdp2", "ddp"])
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+@pytest.mark.parametrize("parts", SPLITS, ids=["one-micro-batch", "accumulated"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_two_ranks_make_the_single_process_step(tiny_model, tmp_path_factory, single, parallel, lora, parts, loss_type):
+    want = single[lora][(loss_type, parts)]
+    ranks = two_ranks(tiny_model, tmp_path_factory, parallel, lora)
+    whole = global_batch()
+    assert want["totals"] == BatchTotals.of(whole["mask"])  # the single process's normalisers are the batch's
+    for got in (r[(loss_type, parts)] for r in ranks):
+        assert got["totals"] == want["totals"]  # reduced before the micro-batch loop
+        for u in range(UPDATES):
+            assert got["loss"][u] == pytest.approx(want["loss"][u], rel=RTOL, abs=ATOL)
+            assert got["grad_norm"][u] == pytest.approx(want["grad_norm"][u], rel=RTOL)
+            assert len(got["grads"][u]) == len(want["grads"][u])
+            for a, b in zip(got["grads"][u], want["grads"][u]):
+                torch.testing.assert_close(a, b, rtol=T_RTOL, atol=T_ATOL)
+            for a, b in zip(got["params"][u], want["params"][u]):
+                torch.testing.assert_close(a, b, rtol=T_RTOL, atol=P_ATOL)
+            assert got["metrics"][u].keys() == want["metrics"][u].keys()
+            for name, value in want["metrics"][u].items():
+                assert got["metrics"][u][name] == pytest.approx(value, rel=RTOL, abs=ATOL, nan_ok=True), name
+    # the step trained something, and the second update clipped some tokens
+    assert any(g.abs().sum() > 0 for g in want["grads"][0])
+    assert want["metrics"][1]["clip_ratio/region_mean"] > 0

@@ -1,0 +1,430 @@
+"""One global batch, whatever the world size: the torch.distributed pieces the trainer runs on under torchrun.
+
+N ranks compute the loss, the gradients and the metrics of the same global batch one process would. The choices:
+
+- **The process group comes from torchrun's environment** (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), gloo on
+  CPU and NCCL on CUDA, with a timeout, so a rank that dies makes the others fail in a collective within it instead
+  of hanging. Without WORLD_SIZE (or with 1) nothing is initialised and every helper here is the identity.
+- **A rank trains on whole groups.** `shard` gives rank r the r-th contiguous 1/N of the global batch's prompts (the
+  prompt sampler's batch, unchanged), so the G completions of a prompt, its rewards and its group advantage stay on
+  one rank; the prompts per step must divide by the world size (`check_world`, before any model loads).
+- **The loss normalisers are the global batch's.** `reduce_totals` sums BatchTotals over ranks before the
+  micro-batch loop, so each rank's loss is its exact share of the global loss and the global gradient is the *sum*
+  of the ranks' gradients. DDP and FSDP2 average gradients by default; `wrap` makes both sum (DDP's comm hook,
+  FSDP2's gradient divide factor 1), so no loss is rescaled by the world size.
+- **Every parameter is used inside the wrapper's forward.** The trainer's chunked logprobs read the decoder and the
+  output head directly (trainer/logprobs.py), which a DDP or FSDP2 root would not see; `wrap` therefore wraps a
+  `Logprobs` module whose forward *is* `completion_logprobs` of the policy, and the trainer calls that.
+- **FSDP2** (`torch.distributed.fsdp.fully_shard` over a 1-D device mesh) shards each decoder layer (the model
+  class's `_no_split_modules`), then the root; LoRA is applied before sharding (only the adapter is trainable, the
+  frozen base is sharded too); full fine-tuning shards everything. A model class with no such layers is refused
+  (`check_shardable`). **DDP** replicates the model (for one that fits a device).
+- **Metrics are reduced over the global batch**, never as a per-rank mean of means: `Stats` collects numerators and
+  denominators (token- or sequence-weighted means), mins and maxes, and reduces them in one all-reduce per kind;
+  `token_metrics` gives the tensor metrics of trainer/metrics.py that way, and `gather` hands every rank the global
+  lists (texts, rewards, lengths) for the metrics that need whole groups.
+- Only rank 0 records: `is_main()`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .loss import BatchTotals, Correction
+
+PARALLEL = ("none", "ddp", "fsdp2")
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class DistributedError(RuntimeError):
+    """A rank lost the others (one died, or a collective timed out)."""
+
+
+# ------------------------------------------------------------------------ the world
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def env_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init(device: str | torch.device = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) -> World:
+    """Join the process group torchrun describes in the environment (gloo on CPU, NCCL on CUDA, each rank on CUDA
+    device LOCAL_RANK); a collective that waits longer than `timeout_s` for another rank fails. One process (no
+    WORLD_SIZE, or 1): no process group, World() on `device`."""
+    device = torch.device(device)
+    size = env_world_size()
+    if size == 1:
+        return World(device=device)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            rank=rank,
+            world_size=size,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return World(rank, size, local_rank, device)
+
+
+def world() -> World:
+    """The current world (after `init`)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return World()
+    return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def is_main() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def close() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def check_world(nproc: int, prompts_per_step: int, device: str, parallel: str) -> None:
+    """Refuse, before any model loads, a world the run cannot use: more ranks than cores (CPU) or devices (CUDA), or
+    a world size that does not divide the prompts per step (a group is never split across ranks)."""
+    if parallel not in PARALLEL:
+        raise ValueError(f"model.parallel: {parallel!r} is not one of {', '.join(PARALLEL)}")
+    if nproc < 1:
+        raise ValueError(f"--nproc {nproc}: give 1 or more processes")
+    if nproc > 1 and parallel == "none":
+        raise ValueError(f"--nproc {nproc} with model.parallel: none; set model.parallel: ddp or fsdp2 (or --nproc 1)")
+    if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
+        have, what = torch.cuda.device_count(), "CUDA devices"
+    else:
+        have, what = len(os.sched_getaffinity(0)), "CPU cores"
+    if nproc > have:
+        raise ValueError(f"--nproc {nproc}: this machine has {have} {what}; give --nproc {have} or fewer")
+    if prompts_per_step % nproc:
+        raise ValueError(
+            f"--nproc {nproc} does not divide grpo.prompts_per_step {prompts_per_step}: each rank trains whole groups "
+            f"of the same global batch; give a world size that divides {prompts_per_step}"
+        )
+
+
+# ------------------------------------------------------------------------ the global batch, shard by shard
+
+
+def shard(items: Sequence, rank: int, size: int) -> list:
+    """Rank `rank`'s contiguous 1/size of the global batch's prompts (whole groups: each prompt's completions are
+    sampled, rewarded and normalised on the rank that holds the prompt)."""
+    if len(items) % size:
+        raise ValueError(f"{len(items)} prompts cannot be split evenly over {size} ranks")
+    per = len(items) // size
+    return list(items[rank * per : (rank + 1) * per])
+
+
+def shard_range(n: int, rank: int, size: int) -> range:
+    """The positions in the global batch of rank `rank`'s shard (for per-prompt seeds)."""
+    per = n // size
+    return range(rank * per, (rank + 1) * per)
+
+
+def reduce_totals(totals: BatchTotals) -> BatchTotals:
+    """The global batch's loss normalisers from each rank's (a sum over ranks); the identity in one process."""
+    if not _active():
+        return totals
+    t = torch.tensor([totals.tokens, totals.sequences, totals.rows], dtype=torch.int64, device=_comm_device())
+    dist.all_reduce(t)
+    return BatchTotals(tokens=int(t[0]), sequences=int(t[1]), rows=int(t[2]))
+
+
+def sum_scalar(value: float) -> float:
+    """A float summed over ranks (each rank's share of the loss → the global loss)."""
+    if not _active():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=_comm_device())
+    dist.all_reduce(t)
+    return float(t[0])
+
+
+def gather(values: list) -> list:
+    """Every rank's list, concatenated in rank order: the global batch's list on every rank."""
+    if not _active():
+        return list(values)
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, list(values))
+    return [v for part in parts for v in part]
+
+
+def broadcast(value):
+    """Rank 0's object on every rank."""
+    if not _active():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _comm_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+# ------------------------------------------------------------------------ metric reductions
+
+
+class Stats:
+    """Numerators and denominators, mins and maxes collected on each rank, reduced over the global batch in one
+    all-reduce per kind: a weighted mean is sum(numerators) / sum(denominators) (NaN over none), a min or max over
+    no values is NaN. Names keep the order they were added in."""
+
+    def __init__(self):
+        self._means: dict[str, tuple[float, float]] = {}
+        self._mins: dict[str, float] = {}
+        self._maxes: dict[str, float] = {}
+
+    def mean(self, name: str, numerator: float | Tensor, denominator: float | Tensor) -> None:
+        self._means[name] = (float(numerator), float(denominator))
+
+    def masked_mean(self, name: str, values: Tensor, mask: Tensor) -> None:
+        mask = mask.float()
+        self.mean(name, (values.float() * mask).sum(), mask.sum())
+
+    def min(self, name: str, values: Tensor) -> None:
+        self._mins[name] = float(values.min()) if values.numel() else math.inf
+
+    def max(self, name: str, values: Tensor) -> None:
+        self._maxes[name] = float(values.max()) if values.numel() else -math.inf
+
+    def reduce(self) -> dict[str, float]:
+        sums = torch.tensor([x for pair in self._means.values() for x in pair], dtype=torch.float64)
+        mins = torch.tensor(list(self._mins.values()), dtype=torch.float64)
+        maxes = torch.tensor(list(self._maxes.values()), dtype=torch.float64)
+        if _active():
+            device = _comm_device()
+            sums, mins, maxes = sums.to(device), mins.to(device), maxes.to(device)
+            for t, op in ((sums, dist.ReduceOp.SUM), (mins, dist.ReduceOp.MIN), (maxes, dist.ReduceOp.MAX)):
+                if t.numel():
+                    dist.all_reduce(t, op=op)
+        out: dict[str, float] = {}
+        for i, name in enumerate(self._means):
+            num, den = float(sums[2 * i]), float(sums[2 * i + 1])
+            out[name] = num / den if den > 0 else math.nan
+        for values, table in ((mins, self._mins), (maxes, self._maxes)):
+            for i, name in enumerate(table):
+                out[name] = float(values[i]) if math.isfinite(float(values[i])) else math.nan
+        return out
+
+
+def update_stats(stats: Stats, terms, loss_mask: Tensor, level: str) -> Stats:
+    """trainer/metrics.update_metrics's values (clip_ratio/*, policy_ratio/mean, kl/*) as global reductions."""
+    mask = loss_mask.float()
+    per_seq = mask.sum(dim=1)
+    has = per_seq > 0
+    for key, flags in (
+        ("low", terms.clipped_low),
+        ("high", terms.clipped_high),
+        ("region", terms.clipped_low | terms.clipped_high),
+    ):
+        seq_share = (flags.float() * mask).sum(dim=1)[has] / per_seq[has]
+        if level == "sequence":
+            stats.mean(f"clip_ratio/{key}_mean", seq_share.sum(), seq_share.numel())
+        else:
+            stats.masked_mean(f"clip_ratio/{key}_mean", flags, mask)
+        if key == "low":
+            stats.min("clip_ratio/low_min", seq_share)
+        if key == "high":
+            stats.max("clip_ratio/high_max", seq_share)
+    stats.masked_mean("policy_ratio/mean", terms.ratio, mask)
+    if terms.kl is not None:
+        for name in ("k1", "k2", "k3"):
+            stats.masked_mean(f"kl/{name}", terms.kl[name], mask)
+    return stats
+
+
+def update_metrics(terms, loss_mask: Tensor, level: str) -> dict[str, float]:
+    """The global batch's update metrics from each rank's terms (trainer/metrics.update_metrics, reduced)."""
+    m = update_stats(Stats(), terms, loss_mask, level).reduce()
+    if terms.kl is not None:
+        m["kl"] = m["kl/k3"]
+    return {k: m[k] for k in _UPDATE_ORDER if k in m}
+
+
+_UPDATE_ORDER = (
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "clip_ratio/low_min",
+    "clip_ratio/high_max",
+    "policy_ratio/mean",
+    "kl/k1",
+    "kl/k2",
+    "kl/k3",
+    "kl",
+)
+
+
+def token_metrics(
+    entropy: Tensor,
+    old_logprobs: Tensor,
+    engine_logprobs: Tensor,
+    token_mask: Tensor,
+    loss_mask: Tensor,
+    corr: Correction,
+    correction_mode: str,
+    correction_level: str,
+    staleness: Sequence[int],
+) -> dict[str, float]:
+    """trainer/metrics.entropy_metric and sampling_metrics of the global batch, from each rank's rows."""
+    s = Stats()
+    s.masked_mean("entropy", entropy, loss_mask)
+    valid = engine_logprobs.isfinite() & token_mask.bool()
+    s.mean("sampling/frac_logprobs_valid", valid.sum(), token_mask.sum())
+    diff = (old_logprobs - engine_logprobs).abs()[valid]
+    s.mean("sampling/sampling_logp_difference/mean", diff.sum(), diff.numel())
+    s.max("sampling/sampling_logp_difference/max", diff)
+    s.mean("sampling/staleness/mean", sum(staleness), len(staleness))
+    s.max("sampling/staleness/max", torch.tensor([float(x) for x in staleness]))
+    scored = loss_mask.bool() & valid
+    weights = corr.ratio if correction_mode == "off" else corr.weight
+    weights = weights[:, 0][scored.any(dim=1)] if correction_level == "sequence" else weights[scored]
+    s.min("sampling/importance_sampling_ratio/min", weights)
+    s.mean("sampling/importance_sampling_ratio/mean", weights.sum(), weights.numel())
+    s.max("sampling/importance_sampling_ratio/max", weights)
+    s.masked_mean("sampling/truncated_fraction", corr.truncated, loss_mask)
+    s.masked_mean("sampling/masked_fraction", corr.masked, loss_mask)
+    m = s.reduce()
+    total = m["sampling/frac_logprobs_valid"]
+    if math.isnan(total):  # no completion tokens at all: metrics.py divides by max(n, 1)
+        m["sampling/frac_logprobs_valid"] = 0.0
+    return m
+
+
+# ------------------------------------------------------------------------ the model, wrapped
+
+
+class Logprobs(nn.Module):
+    """The policy, whose forward is trainer/logprobs.completion_logprobs: every parameter the trainer uses is used
+    inside this forward, so DDP's and FSDP2's hooks see it. `policy` is the model itself (peft or plain)."""
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, input_ids, attention_mask, completion_len, **kwargs):
+        from .logprobs import completion_logprobs
+
+        return completion_logprobs(self.policy, input_ids, attention_mask, completion_len, **kwargs)
+
+
+def decoder_layer_classes(model: nn.Module) -> set[str]:
+    """The class names of the model's repeated blocks (HF's `_no_split_modules`), the FSDP2 units."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or ())
+    return {n for n in names if any(type(m).__name__ == n for m in base.modules())}
+
+
+def check_shardable(model: nn.Module, parallel: str) -> None:
+    """FSDP2 needs the repeated blocks to shard; refuse a model class that names none."""
+    if parallel == "fsdp2" and not decoder_layer_classes(model):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        raise ValueError(
+            f"model.parallel: fsdp2 cannot shard {type(base).__name__}: the class names no decoder layers "
+            "(_no_split_modules) to shard; use model.parallel: ddp"
+        )
+
+
+def wrap(policy: nn.Module, parallel: str, device: torch.device | None = None) -> nn.Module:
+    """The policy as a `Logprobs` module, replicated (ddp) or sharded (fsdp2) over the world's ranks, gradients
+    summed over ranks (module docstring); 'none' or one process: the plain `Logprobs`. Call after LoRA is applied
+    and the model is on its device, before the optimizer is built (FSDP2 replaces parameters with DTensors)."""
+    module = Logprobs(policy)
+    if parallel == "none" or not _active():
+        return module
+    device = device or (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None)
+    if parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(
+            module, device_ids=[device] if device is not None and device.type == "cuda" else None
+        )
+        ddp.register_comm_hook(None, _sum_hook)
+        return ddp
+    if parallel == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        check_shardable(policy, parallel)
+        mesh = init_device_mesh("cuda" if device is not None and device.type == "cuda" else "cpu", (dist.get_world_size(),))
+        layers = decoder_layer_classes(policy)
+        for m in list(policy.modules()):
+            if type(m).__name__ in layers:
+                fully_shard(m, mesh=mesh)
+        fully_shard(module, mesh=mesh)
+        for m in module.modules():  # every unit's reduce-scatter sums
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+        return module
+    raise ValueError(f"model.parallel: {parallel!r} is not one of {', '.join(PARALLEL)}")
+
+
+@contextmanager
+def accumulating(wrapped: nn.Module, last: bool):
+    """A micro-batch's backward: the gradients are reduced over ranks only with the last micro-batch of an optimizer
+    step (DDP's no_sync before it; FSDP2 accumulates unsharded), so a summed reduction counts each share once."""
+    if not last and hasattr(wrapped, "no_sync"):
+        with wrapped.no_sync():
+            yield
+        return
+    if hasattr(wrapped, "set_requires_gradient_sync"):
+        wrapped.set_requires_gradient_sync(last)
+    yield
+
+
+def _sum_hook(state, bucket):
+    """DDP's all-reduce, summed (not averaged): each rank's loss is already its share of the global loss."""
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def policy_of(wrapped: nn.Module) -> nn.Module:
+    """The policy inside a `wrap`ped module."""
+    inner = wrapped.module if hasattr(wrapped, "module") and not isinstance(wrapped, Logprobs) else wrapped
+    return inner.policy
+
+
+def full_tensor(t: Tensor) -> Tensor:
+    """A parameter or gradient as one whole tensor (an FSDP2 DTensor gathered; a plain tensor as it is)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def clip_grad_norm(params: Sequence[Tensor], max_norm: float) -> Tensor:
+    """torch's clip_grad_norm_ over the global gradient (sharded FSDP2 grads included): the total norm, a plain
+    tensor, the same on every rank."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return full_tensor(norm)
