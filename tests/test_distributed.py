@@ -34,7 +34,7 @@ UPDATES = 2
 RTOL, ATOL = 1e-5, 1e-6
 T_RTOL, T_ATOL = 1e-4, 1e-5
 LR = 1e-2
-P_ATOL = 0.01 * LR  # parameters after AdamW: 1% of one step (Adam's g / sqrt(v) magnifies a near-zero gradient's rounding)
+P_ATOL = 0.01 * LR  # parameters after AdamW: 1% of a step (Adam's g / sqrt(v) magnifies a tiny gradient's rounding)
 
 
 # ------------------------------------------------------------------------ the global batch and one step

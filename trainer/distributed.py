@@ -380,7 +380,8 @@ def wrap(policy: nn.Module, parallel: str, device: torch.device | None = None) -
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
         check_shardable(policy, parallel)
-        mesh = init_device_mesh("cuda" if device is not None and device.type == "cuda" else "cpu", (dist.get_world_size(),))
+        on_cuda = device is not None and device.type == "cuda"
+        mesh = init_device_mesh("cuda" if on_cuda else "cpu", (dist.get_world_size(),))
         layers = decoder_layer_classes(policy)
         for m in list(policy.modules()):
             if type(m).__name__ in layers:
