@@ -24,6 +24,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from trainer.config import InputError, ModelConfig, Section, TrainerConfig, is_variable_name  # noqa: F401  (ModelConfig: --base)
 from trainer.data import SOURCES, check_data, locate_data_file
+from trainer.environment import check_environment
 from trainer.health import tag_pattern
 from trainer.locate import check_device, check_model_source
 from trainer.metrics import METRICS  # noqa: F401  (the glossary `ballast metrics` prints; imports no torch)
@@ -310,6 +311,13 @@ def validate_spec(data: dict, where: str = "spec", spec_dir: Path | None = None)
             spec.data.eval_path = locate_data_file(spec.data.eval_path, "data.eval_path", spec_dir)
         examples = check_data(spec.data)
         check_rewards(spec.rewards, spec.eval.reward, spec_dir, examples, spec.grpo.num_generations)
+        if spec.data.environment is not None:
+            if spec.rollout.engine == "offline":
+                raise ValueError(
+                    "data.environment runs live episodes and rollout.engine: offline reads finished ones from "
+                    "data.source; leave data.environment unset, or set rollout.engine: hf or vllm"
+                )
+            check_environment(spec.data, spec_dir, examples)
     except (ValueError, FileNotFoundError) as e:
         raise SpecError(f"{where}: {e}") from None
     return spec

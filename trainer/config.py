@@ -152,6 +152,23 @@ class DataConfig(Section):
         "End with the number.'; write literal braces as {{ }}. None: the prompt alone.",
     )
 
+    environment: str | None = Field(
+        None,
+        description="Multi-turn episodes with tools: 'module:Class', importable from the spec's folder (as rewards "
+        "are); reset(**row) gives an episode's first messages, public methods with type hints and docstrings are its "
+        "tools, step(text) and reward() are optional (trainer/environment.py). None: one completion per prompt.",
+    )
+    max_turns: int = Field(4, ge=1, description="data.environment: the model's turns per episode at most.")
+    max_episode_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="data.environment: tokens of an episode after its prompt at most, sampled and inserted "
+        "(rollout.max_tokens bounds each turn). None: only the turns bound it.",
+    )
+    tool_timeout_s: float = Field(
+        10.0, gt=0, description="data.environment: a tool call running longer ends its episode with the error."
+    )
+
     @field_validator("prompt_template")
     @classmethod
     def _template_has_only_prompt(cls, v: str | None) -> str | None:

@@ -9,6 +9,9 @@ completions as sample rows (trainer/samples.py), which the trainer and the eval 
 
 The held-out set is finite, so every score carries its standard error: `eval/reward_stderr` (the sample standard
 deviation of the per-prompt rewards over sqrt(n)) and `eval/accuracy_stderr` (the binomial sqrt(p(1-p)/n)).
+With data.environment each held-out row is one episode of the environment (trainer/episodes.py run_held_out:
+model.generate turn by turn, the tools run between turns), scored on its last turn; `eval/episodes/*` count its
+turns, tool calls, errors and cuts.
 `score_held_out` also keeps the per-prompt scores, in the held-out set's order, so two models scored on the same
 prompts can be compared pair by pair (sweeps/baseline.py: a trial against its base model).
 """
@@ -103,12 +106,23 @@ def score_held_out(
     `examples`, sample rows)."""
     if not examples:
         return {}, {}, []
-    texts, lengths, endings = generate(
-        model, tokenizer, [e.prompt for e in examples], cfg.max_tokens, cfg.temperature, cfg.batch_size, data=data
-    )
+    episodes = None
+    if data is not None and data.environment is not None:  # the environment's episodes, decoded the same way
+        from .episodes import add_environment_reward, conversation_text, episode_metrics, run_held_out
+
+        episodes = run_held_out(model, tokenizer, examples, data, cfg.max_tokens, cfg.temperature, cfg.batch_size)
+        texts = [c.text for c in episodes]
+        lengths = [sum(c.loss_mask) for c in episodes]  # the tokens the model generated, over all its turns
+        endings = [c.finish_reason for c in episodes]
+    else:
+        texts, lengths, endings = generate(
+            model, tokenizer, [e.prompt for e in examples], cfg.max_tokens, cfg.temperature, cfg.batch_size, data=data
+        )
     total, parts = rewards(
         texts, [e.answer for e in examples], [e.prompt for e in examples], **reward_columns(examples)
     )
+    if episodes is not None:
+        total, parts = add_environment_reward(total, parts, episodes)
     accuracy_name = rewards.accuracy_name(cfg.reward)
     per_prompt = {"reward": [float(r) for r in total], "length": [float(n) for n in lengths]}
     if accuracy_name is not None:
@@ -132,7 +146,10 @@ def score_held_out(
         total,
         parts,
         cfg.log_samples,
+        None if episodes is None else [conversation_text(c) for c in episodes],
     )
+    if episodes is not None:
+        out.update(episode_metrics(episodes, prefix="eval/episodes/"))
     return out, per_prompt, rows
 
 

@@ -8,7 +8,9 @@ completion:
      "tokens"}
 
 `reward` is the weighted total, `rewards/<component>` each reward's raw value under its metric name, `tokens` the
-completion's token count. Which k: the first truncated completions (batch order; k - 1 of them at most when k > 1),
+completion's token count. A multi-turn episode's row adds `conversation`: every message, the model's turns marked
+`| loss` (the only tokens trained on), tool calls as it wrote them and the tools' results as they were sent.
+Which k: the first truncated completions (batch order; k - 1 of them at most when k > 1),
 because a completion that ran into max_tokens is where a collapse starts; then the rest alternating best- and
 worst-paid, so the step's extremes are there. Rows keep batch order. The trainer only writes the files (no MLflow
 here); tasks/record.py logs them to MLflow as tables. A resumed run drops rows of steps after its checkpoint, as it
@@ -50,8 +52,10 @@ def sample_rows(
     total: Sequence[float],
     parts: dict[str, Sequence[float]],
     k: int,
+    conversations: Sequence[str | None] | None = None,
 ) -> list[dict]:
-    """The k rows (see the module docstring) of one batch of completions, given as parallel lists."""
+    """The k rows (see the module docstring) of one batch of completions, given as parallel lists; `conversations`:
+    each multi-turn episode's whole conversation (trainer/episodes.py conversation_text; None for a completion)."""
     truncated = [reason == "length" for reason in finish_reasons]
     rows = []
     for i in pick(total, truncated, k):
@@ -68,6 +72,8 @@ def sample_rows(
                 "tokens": int(tokens[i]),
             }
         )
+        if conversations is not None and conversations[i] is not None:
+            rows[-1]["conversation"] = conversations[i]
     return rows
 
 

@@ -73,6 +73,9 @@ class Completion:
     # message, chat-template glue), for a multi-turn episode (engines/offline.py). None: every token was sampled.
     # Inserted tokens are attended to but get no loss, and their logprobs (NaN) are never read.
     loss_mask: list[int] | None = None
+    # A live multi-turn episode's conversation and counts (trainer/episodes.py): messages, which are the model's
+    # turns, turns, tool calls, tool errors, the budget that cut it, drift, the environment's reward. None otherwise.
+    episode: dict | None = None
 
     def __post_init__(self):
         if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):

@@ -135,6 +135,31 @@ def _finite(x: Any, where: str) -> float:
     return float(x)
 
 
+class TemplateMismatch(Exception):
+    """The chat template writes a sampled turn as other text than the model sampled (`inserted_by_template`)."""
+
+    def __init__(self, turn_text: str | None, sampled_text: str):
+        super().__init__(f"the template writes {turn_text!r} for the sampled {sampled_text!r}")
+        self.turn_text, self.sampled_text = turn_text, sampled_text
+
+
+def inserted_by_template(tokenizer, render, messages: list[dict], prev: int, j: int, previous_turn: list[int]):
+    """The token ids the chat template puts between the sampled turn at messages[prev] (whose sampled tokens are
+    `previous_turn`) and the next turn of the model at messages[j]: what it writes after the sampled text of turn
+    `prev` (its end-of-turn glue), then the messages in between and the generation prompt, tokenised on their own.
+    `render(messages, generation_prompt) -> str` applies the template. Raises TemplateMismatch when the template
+    writes turn `prev` as other text than was sampled, or re-renders it once messages follow: where the inserted
+    text starts is then unknown. Offline episodes (here) and live ones (trainer/episodes.py) both use it."""
+    before = render(messages[:prev], True)  # the prompt the previous turn was sampled from
+    through = render(messages[: prev + 1], False)  # ... and that turn, as the template writes it
+    upto = render(messages[:j], True)  # ... and the inserted messages, up to this turn's prompt
+    sampled_text = tokenizer.decode(previous_turn, skip_special_tokens=False)
+    turn_text = through[len(before) :] if through.startswith(before) else None
+    if turn_text is None or not turn_text.startswith(sampled_text) or not upto.startswith(through):
+        raise TemplateMismatch(turn_text, sampled_text)
+    return tokenizer.encode(turn_text[len(sampled_text) :] + upto[len(through) :], add_special_tokens=False)
+
+
 def _template_message(message: dict) -> dict:
     """A message as a chat template reads it: role, content ('' for None) and tool fields, without the logprobs
     and token ids a log stores beside them."""
@@ -399,22 +424,18 @@ class OfflineEngine:
         return self.tokenizer.encode(self._render(messages, tools, True, at), add_special_tokens=False)
 
     def _inserted(self, messages, tools, prev: int, j: int, token_ids, loss_mask, at: str) -> list[int]:
-        """The tokens between the sampled turn at messages[prev] and the one at messages[j], by the chat template:
-        what it writes after the sampled text of turn `prev` (its end-of-turn glue), then the messages in between
-        and the generation prompt."""
-        before = self._render(messages[:prev], tools, True, at)  # the prompt the previous turn was sampled from
-        through = self._render(messages[: prev + 1], tools, False, at)  # ... and that turn, as the template writes it
-        upto = self._render(messages[:j], tools, True, at)  # ... and the inserted messages, up to this turn's prompt
+        """The tokens between the sampled turn at messages[prev] and the one at messages[j] (`inserted_by_template`)."""
         n_prev = len(loss_mask) - loss_mask[::-1].index(0) if 0 in loss_mask else 0
-        sampled_text = self.tokenizer.decode(token_ids[n_prev:], skip_special_tokens=False)
-        turn_text = through[len(before) :] if through.startswith(before) else None
-        if turn_text is None or not turn_text.startswith(sampled_text) or not upto.startswith(through):
-            raise TrajectoryError(
-                f"{at}: the chat template writes the model's previous turn as {str(turn_text)[:60]!r}, not as the "
-                f"text it sampled ({sampled_text[:60]!r}), so where the inserted messages start is unknown; store "
-                "each Choice's prompt_token_ids (vLLM: return_token_ids) so the server's own tokens are used"
+        try:
+            return inserted_by_template(
+                self.tokenizer, lambda m, g: self._render(m, tools, g, at), messages, prev, j, token_ids[n_prev:]
             )
-        return self.tokenizer.encode(turn_text[len(sampled_text) :] + upto[len(through) :], add_special_tokens=False)
+        except TemplateMismatch as e:
+            raise TrajectoryError(
+                f"{at}: the chat template writes the model's previous turn as {str(e.turn_text)[:60]!r}, not as the "
+                f"text it sampled ({e.sampled_text[:60]!r}), so where the inserted messages start is unknown; store "
+                "each Choice's prompt_token_ids (vLLM: return_token_ids) so the server's own tokens are used"
+            ) from None
 
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[list[Completion]]:
         out = []
