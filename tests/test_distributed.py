@@ -214,3 +214,74 @@ def test_two_ranks_make_the_single_process_step(tiny_model, tmp_path_factory, si
     # the step trained something, and the second update clipped some tokens
     assert any(g.abs().sum() > 0 for g in want["grads"][0])
     assert want["metrics"][1]["clip_ratio/region_mean"] > 0
+
+
+# ------------------------------------------------------------------------ N → M resume through DCP
+
+
+def resume_run(model_path: Path, parallel: str, load_from: str | None, save_to: str | None, export_to: str | None):
+    """One optimizer update (grpo, beta 0.04, the whole global batch over this world) from the loaded state (or the
+    start), then the state saved (DCP) and the adapter exported; returns the whole trainable weights."""
+    from trainer import dist_checkpoint as dc
+
+    world = dd.world()
+    batch = rows_of(global_batch(), world.rank, world.size)
+    wrapped = dd.wrap(load(model_path, lora=True), parallel)
+    params = [p for p in wrapped.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=LR)
+    if load_from:
+        dc.load_sharded(load_from, wrapped, optimizer)
+    cfg = GRPOConfig(loss_type="grpo", beta=0.04, num_generations=G, prompts_per_step=PROMPTS)
+    totals = dd.reduce_totals(BatchTotals.of(batch["mask"]))
+    with dd.accumulating(wrapped, last=True):
+        lp, _ = wrapped(batch["ids"], batch["attn"], TC, temperature=1.0, chunk_size=4)
+        old = lp.detach()
+        ref = old + batch["ref_offset"]
+        loss, _ = grpo_loss(lp, old, batch["adv"], batch["mask"], cfg, ref_logprobs=ref, totals=totals)
+        loss.backward()
+    dd.clip_grad_norm(params, 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if save_to:
+        dc.save_sharded(save_to, wrapped, optimizer)
+    if export_to:
+        dc.export_adapter(wrapped, export_to)
+    return dc.full_trainable_state(wrapped)
+
+
+def _assert_same_weights(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys() and len(want) > 0
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=T_RTOL, atol=P_ATOL, msg=name)
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_model, tmp_path_factory) -> dict:
+    """Two updates in one process, no checkpoint; and the state after the first, saved by one process."""
+    torch.set_num_threads(1)
+    one = tmp_path_factory.mktemp("one-rank")
+    after_one = resume_run(tiny_model, "none", None, str(one / "dcp"), str(one / "adapter"))
+    after_two = resume_run(tiny_model, "none", str(one / "dcp"), None, None)
+    return {"dir": one, "after_one": after_one, "after_two": after_two}
+
+
+@pytest.mark.parametrize("parallel", ["fsdp2", "ddp"])
+def test_a_state_saved_by_two_ranks_resumes_on_one(tiny_model, tmp_path_factory, straight, parallel):
+    two = tmp_path_factory.mktemp(f"two-ranks-{parallel}")
+    ranks = spawn(resume_run, (tiny_model, parallel, None, str(two / "dcp"), str(two / "adapter")), two)
+    _assert_same_weights(ranks[0], straight["after_one"])
+    resumed = resume_run(tiny_model, "none", str(two / "dcp"), None, None)
+    _assert_same_weights(resumed, straight["after_two"])  # weights and AdamW moments came back
+    # the adapter exported by rank 0 is a plain peft adapter, the single process's
+    from safetensors.torch import load_file
+
+    exported = load_file(two / "adapter" / "adapter_model.safetensors")
+    plain = load_file(straight["dir"] / "adapter" / "adapter_model.safetensors")
+    _assert_same_weights(exported, plain)
+
+
+@pytest.mark.parametrize("parallel", ["fsdp2", "ddp"])
+def test_a_state_saved_by_one_process_resumes_on_two_ranks(tiny_model, tmp_path_factory, straight, parallel):
+    out = tmp_path_factory.mktemp(f"resume-on-two-{parallel}")
+    ranks = spawn(resume_run, (tiny_model, parallel, str(straight["dir"] / "dcp"), None, None), out)
+    _assert_same_weights(ranks[0], straight["after_two"])
