@@ -361,9 +361,11 @@ def save_checkpoint(
     manifest_extra: dict,
     lagged: list[dict[str, torch.Tensor]] | None = None,
     keep_last: int | None = None,
+    adapter: str = "default",
 ) -> Checkpoint:
     """Write step-NNNNNN under root atomically. `manifest_extra` holds base model identity, lineage, config hash
-    and fingerprint; `trainer_state` must be JSON-serialisable."""
+    and fingerprint; `trainer_state` must be JSON-serialisable. `adapter`: which of the model's LoRA adapters
+    (several trials may share one base model, trainer/multi.py); it is saved as a lone run's would be."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
@@ -372,7 +374,12 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     (tmp / "state").mkdir(parents=True)
     weights = "adapter" if hasattr(model, "peft_config") else "model"
-    model.save_pretrained(tmp / weights, safe_serialization=True)
+    if weights == "adapter" and adapter != "default":  # peft writes a named adapter into a folder of that name
+        model.save_pretrained(tmp / "named", safe_serialization=True, selected_adapters=[adapter])
+        (tmp / "named" / adapter).rename(tmp / weights)
+        shutil.rmtree(tmp / "named")
+    else:
+        model.save_pretrained(tmp / weights, safe_serialization=True)
     if weights == "model":
         tokenizer.save_pretrained(tmp / "model")  # a full fine-tune is a complete model directory
     tokenizer.save_pretrained(tmp / "tokenizer")

@@ -22,6 +22,8 @@ Reads top to bottom in the order the data flows. The choices, on purpose:
   fine-tuning) or, with `kl_ref_step_lag: k`, the policy k steps back (snapshots of the trainable
   weights, saved in the checkpoint so a resume is exact).
 - The trainer knows nothing of Prefect, MLflow or Optuna: it reports through `Callbacks`.
+- A step is `train_on` (given its rollouts) then `record_step` (log, ask the gate and callbacks, checkpoint):
+  concurrent trials over one base model (trainer/multi.py) call the same two with rollouts sampled together.
 - SIGTERM (preemption) and SIGINT (Ctrl-C) during the loop stop it at a safe point (`SafePoint`): the step in
   progress finishes, a checkpoint is saved there, and `RunResult.interrupted` names the signal.
 """
@@ -61,9 +63,16 @@ from .metrics import (
     sampling_metrics,
     update_metrics,
 )
-from .model import ensure_model, load_policy, logprob_fingerprint, model_identity, resolve_device
+from .model import (
+    adapter_parameters,
+    ensure_model,
+    load_policy,
+    logprob_fingerprint,
+    model_identity,
+    resolve_device,
+)
 from .rewards import RewardComputer
-from .rollouts import RolloutProducer
+from .rollouts import RolloutBatch, RolloutProducer
 from .samples import EVAL_SAMPLES_FILE, SAMPLES_FILE, append_rows, sample_rows
 
 
@@ -113,7 +122,11 @@ class GRPOTrainer:
         lineage: dict | None = None,
         progress: bool = True,
         engine=None,
+        shared=None,
+        adapter: str = "default",
     ):
+        """shared: a base model other trials train on too (trainer/multi.py's SharedPolicy); this trial's LoRA adapter
+        is added to it under the name `adapter`, and the caller makes it the active one before each use."""
         self.cfg, self.out = cfg, Path(output_dir)
         self.callbacks, self.lineage, self.progress = list(callbacks), dict(lineage or {}), progress
         self.ckpt_root = self.out / "checkpoints"
@@ -123,14 +136,19 @@ class GRPOTrainer:
         # ---------------------------------------------------------------- model, reference, optimizer
         ensure_model(cfg.model)
         self.device = resolve_device(cfg.model.device)
-        self.model, self.tokenizer = load_policy(
-            cfg.model, cfg.lora, adapter_path=str(init_adapter) if init_adapter else None
-        )
+        self.adapter = adapter
+        if shared is None:
+            self.model, self.tokenizer = load_policy(
+                cfg.model, cfg.lora, adapter_path=str(init_adapter) if init_adapter else None
+            )
+            self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        else:  # right after set_seed, as load_policy would create it: the same initial adapter as a lone run's
+            self.model, self.tokenizer = shared.add(adapter, cfg.lora, init_adapter)
+            self.named_params = adapter_parameters(self.model, adapter)
         self.model.train()
         if cfg.grpo.pack_sequences:
             _check_packing(self.model, self.device)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in self.named_params]
         g = cfg.grpo
         self.ref_model = None
         if g.beta > 0 and not cfg.lora.enabled and g.kl_ref_step_lag is None:
@@ -212,13 +230,16 @@ class GRPOTrainer:
 
     # -------------------------------------------------------------------- one step
     def train_step(self, step: int) -> dict[str, float]:
-        cfg, g = self.cfg, self.cfg.grpo
         t0 = time.perf_counter()
+        # 1-2. prompts and rollouts: this step's batch, sampled now or (max_off_policy_steps) up to k steps ago
+        return self.train_on(step, self.rollouts.take(step, self.model), t0)
+
+    def train_on(self, step: int, sampled: RolloutBatch, t0: float) -> dict[str, float]:
+        """Steps 3-8 on `step`'s rollouts (sampled by this trainer's producer, or with other trials' in one engine
+        call: trainer/multi.py); `t0` is when the step began."""
+        cfg, g = self.cfg, self.cfg.grpo
         if g.kl_ref_step_lag:
             self.lagged.append({n: p.detach().to("cpu", copy=True) for n, p in self.named_params})
-
-        # 1-2. prompts and rollouts: this step's batch, sampled now or (max_off_policy_steps) up to k steps ago
-        sampled = self.rollouts.take(step, self.model)
         indices, completions = sampled.prompt_indices, sampled.completions
         examples = [self.train_set[i] for i in indices]
         t_rollout = time.perf_counter()
@@ -368,33 +389,15 @@ class GRPOTrainer:
     def train(self, total_steps: int | None = None) -> RunResult:
         total = total_steps or self.cfg.optim.steps
         history, stopped, last_ckpt = [], None, None
-        metrics_file = self.out / "metrics.jsonl"
-        eval_start = None
-        if self.step == 0 and self.cfg.eval.on_start and self.eval_set:
-            eval_start = {"step": 0, **self.evaluate()}
-            with open(metrics_file, "a") as f:
-                f.write(json.dumps(eval_start) + "\n")
-            for cb in self.callbacks:
-                cb.on_step(0, eval_start)
+        eval_start = self.evaluate_on_start()
         bar = _progress(self.progress)
         with bar, SafePoint() as safe_point:
             task = bar.add_task("GRPO", total=total, completed=self.step, info="")
             for step in range(self.step + 1, total + 1):
                 m = self.train_step(step)
-                self.step = step
-                with open(metrics_file, "a") as f:
-                    f.write(json.dumps(m) + "\n")
-                with open(self.out / "prompts.jsonl", "a") as f:
-                    f.write(json.dumps({"step": step, "prompt_indices": self.last_prompt_indices}) + "\n")
                 history.append(m)
-                for cb in self.callbacks:
-                    cb.on_step(step, m)
-                stopped = self.gate.update(step, m)
-                for cb in self.callbacks:
-                    stopped = stopped or cb.should_stop(step, m)
-                stopped = stopped or safe_point.stop_reason
-                if step % self.cfg.checkpoint.every == 0 or step == total or stopped:
-                    last_ckpt = self.save()
+                stopped, saved = self.record_step(step, m, total, safe_point.stop_reason)
+                last_ckpt = saved or last_ckpt
                 bar.update(
                     task,
                     completed=step,
@@ -410,6 +413,38 @@ class GRPOTrainer:
             eval_start,
             interrupted=safe_point.received,
         )
+
+    def evaluate_on_start(self) -> dict | None:
+        """eval.on_start: the eval/* metrics before the first step, logged as step 0 (None when not asked for)."""
+        if not (self.step == 0 and self.cfg.eval.on_start and self.eval_set):
+            return None
+        eval_start = {"step": 0, **self.evaluate()}
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(eval_start) + "\n")
+        for cb in self.callbacks:
+            cb.on_step(0, eval_start)
+        return eval_start
+
+    def record_step(
+        self, step: int, m: dict, total: int, interrupted: str | None = None
+    ) -> tuple[str | None, Path | None]:
+        """After step `step` of `total`: log its metrics, ask the health gate and the callbacks whether to stop, and
+        checkpoint when it is time (or the run stops). Returns (why it stops or None, the checkpoint saved or None)."""
+        self.step = step
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(m) + "\n")
+        with open(self.out / "prompts.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "prompt_indices": self.last_prompt_indices}) + "\n")
+        for cb in self.callbacks:
+            cb.on_step(step, m)
+        stopped = self.gate.update(step, m)
+        for cb in self.callbacks:
+            stopped = stopped or cb.should_stop(step, m)
+        stopped = stopped or interrupted
+        saved = None
+        if step % self.cfg.checkpoint.every == 0 or step == total or stopped:
+            saved = self.save()
+        return stopped, saved
 
     def save(self) -> Path:
         in_flight = self.rollouts.state_dict()  # batches sampled ahead (max_off_policy_steps); the sampler is past them
@@ -442,6 +477,7 @@ class GRPOTrainer:
             manifest_extra=extra,
             lagged=list(self.lagged),
             keep_last=self.cfg.checkpoint.keep_last,
+            adapter=self.adapter,
         )
         for cb in self.callbacks:
             cb.on_checkpoint(checkpoint)
@@ -453,7 +489,7 @@ class GRPOTrainer:
             return None
         return {
             **self.cfg.lora.model_dump(),
-            "target_modules": sorted(self.model.peft_config["default"].target_modules),
+            "target_modules": sorted(self.model.peft_config[self.adapter].target_modules),
         }
 
     def close(self) -> None:

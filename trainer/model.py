@@ -212,21 +212,29 @@ def load_policy(
     if adapter_path is not None:
         model = PeftModel.from_pretrained(model, str(adapter_path), is_trainable=trainable)
     elif lora_cfg.enabled:
-        model = get_peft_model(
-            model,
-            PeftLoraConfig(
-                r=lora_cfg.r,
-                lora_alpha=lora_cfg.alpha,
-                lora_dropout=lora_cfg.dropout,
-                target_modules=lora_target_modules(model, lora_cfg.target_modules),
-                task_type="CAUSAL_LM",
-            ),
-        )
+        model = get_peft_model(model, peft_lora_config(lora_cfg, lora_target_modules(model, lora_cfg.target_modules)))
     adapter_in_base_dtype(model, device)
     if not trainable:
         model.requires_grad_(False)
     model.train(trainable)
     return model, tokenizer
+
+
+def peft_lora_config(lora_cfg: LoraConfig, target_modules: list[str]) -> PeftLoraConfig:
+    """The peft LoraConfig of a `lora` section, its target modules resolved (lora_target_modules)."""
+    return PeftLoraConfig(
+        r=lora_cfg.r,
+        lora_alpha=lora_cfg.alpha,
+        lora_dropout=lora_cfg.dropout,
+        target_modules=target_modules,
+        task_type="CAUSAL_LM",
+    )
+
+
+def adapter_parameters(model, adapter: str) -> list[tuple[str, torch.nn.Parameter]]:
+    """(name, parameter) of the LoRA adapter named `adapter`, in the model's order: what a lone run with that adapter
+    trains (its requires_grad parameters), whatever other adapters the model holds."""
+    return [(n, p) for n, p in model.named_parameters() if ".lora_" in n and f".{adapter}." in n]
 
 
 def adapter_in_base_dtype(model, device: torch.device) -> bool:

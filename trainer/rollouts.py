@@ -124,12 +124,22 @@ class RolloutProducer:
             )
         return batch
 
-    def _start(self, step: int, version: int) -> None:
+    def request(self, step: int) -> tuple[list[int], list[list[int]], SamplingParams]:
+        """(prompt indices, prompt token ids, sampling settings) of `step`'s batch, drawn now as `take` would draw
+        them, for a caller that samples several producers' batches in one engine call and trains on each at once
+        (trainer/multi.py: concurrent trials; synchronous, rollout.max_off_policy_steps: 0)."""
+        self.made, self.next_step = {}, step + 1
+        return self._request(step)
+
+    def _request(self, step: int) -> tuple[list[int], list[list[int]], SamplingParams]:
         indices = self.sampler.next_batch(self.prompts_per_step)
         prompts = [self.prompt_ids(i) for i in indices]
         seed = rollout_seed(self.rollout.seed, step)
         seeds = prompt_seeds(self.rollout.seed, step, range(len(indices)))
-        params = SamplingParams.from_rollout(self.rollout, n=self.group_size, seed=seed, seeds=seeds)
+        return indices, prompts, SamplingParams.from_rollout(self.rollout, n=self.group_size, seed=seed, seeds=seeds)
+
+    def _start(self, step: int, version: int) -> None:
+        indices, prompts, params = self._request(step)
 
         def generate() -> RolloutBatch:
             started = time.perf_counter()

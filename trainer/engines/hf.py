@@ -13,7 +13,9 @@ min_tokens, temperature, top-k, top-p, min-p — then `torch.multinomial`, so th
 tokens. With per-prompt seeds (`SamplingParams.seeds`, what the trainer passes) each prompt's rows draw from a
 generator of their own, so a prompt samples the same tokens whichever prompts share its batch: a rank's shard of
 the global batch, or another trial's rows. Stop strings need the text decoded as it grows: a request with `stop`
-goes through `generate` (one prompt at a time when seeded per prompt).
+goes through `generate` (one prompt at a time when seeded per prompt). `generate_many` samples several requests in
+one batch, each with its own settings and seeds and, for trials sharing one base model (trainer/multi.py), its own
+LoRA adapter (peft's per-row `adapter_names`).
 
 Logprobs are the policy's at the sampling temperature, log_softmax(logits / T), from the raw logits before
 penalties and truncation (engines/base.py says why). Completions keep their end-of-sequence token (the
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -49,18 +52,43 @@ class HFEngine:
     def close(self) -> None:
         pass
 
+    def generate(
+        self, prompts: Sequence[list[int]], params: SamplingParams, adapters: Sequence[str] | None = None
+    ) -> list[list[Completion]]:
+        """For each prompt, params.n completions; `adapters`: the LoRA adapter each prompt samples under (None: the
+        model's active adapter)."""
+        return self.generate_many([(prompts, params, adapters)])[0]
+
     @torch.no_grad()
-    def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        if params.frequency_penalty or params.presence_penalty:
-            raise ValueError(
-                "rollout.frequency_penalty / presence_penalty are vLLM sampling options; the hf engine "
-                "supports repetition_penalty — set rollout.engine: vllm or use repetition_penalty"
-            )
+    def generate_many(
+        self, requests: Sequence[tuple[Sequence[list[int]], SamplingParams, Sequence[str] | None]]
+    ) -> list[list[list[Completion]]]:
+        """Several requests sampled in one batch, for several trials sharing one base model (trainer/multi.py): each
+        request its prompts, its sampling settings and seeds, and the LoRA adapter each of its prompts samples
+        under (peft's per-row `adapter_names`; None: the model's active adapter, then for every request). The rows go
+        through the model together; each request's tokens are drawn with its own settings from its own generators."""
+        for _, params, _ in requests:
+            if params.frequency_penalty or params.presence_penalty:
+                raise ValueError(
+                    "rollout.frequency_penalty / presence_penalty are vLLM sampling options; the hf engine "
+                    "supports repetition_penalty — set rollout.engine: vllm or use repetition_penalty"
+                )
+        named = [adapters is not None for _, _, adapters in requests]
+        if any(named) and not all(named):
+            raise ValueError("name the adapters of every request, or of none")
         tok = self.tokenizer
         pad_id = tok.pad_token_id
         eos_ids = _eos_ids(self.model, tok)
-        width = max(len(p) for p in prompts)
-        rows = [p for p in prompts for _ in range(params.n)]
+        rows = [p for prompts, params, _ in requests for p in prompts for _ in range(params.n)]
+        per_row = None
+        if all(named):
+            names = [a for prompts, params, adapters in requests for a in adapters for _ in range(params.n)]
+            per_row = {"adapter_names": names}
+        segments, start = [], 0
+        for prompts, params, _ in requests:
+            segments.append(Segment(slice(start, start + len(prompts) * params.n), params))
+            start += len(prompts) * params.n
+        width = max(len(p) for p in rows)
         input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
         attention_mask = torch.zeros_like(input_ids)
         for i, p in enumerate(rows):
@@ -73,22 +101,25 @@ class HFEngine:
         devices = [self.device] if self.device.type == "cuda" else []
         try:
             with torch.random.fork_rng(devices=devices):
-                if params.stop or not self.static_cache:
-                    new_tokens, logprobs = _sample_with_generate(
-                        self.model, tok, input_ids, attention_mask, params, eos_ids
+                if any(s.params.stop for s in segments) or not self.static_cache:
+                    new_tokens, logprobs = _sample_segments_with_generate(
+                        self.model, tok, input_ids, attention_mask, segments, eos_ids, per_row
                     )
                 else:
                     try:
-                        torch.manual_seed(params.seed)
+                        torch.manual_seed(segments[0].params.seed)
                         extra = {"decoder": self.decoder} if self.decoder is not None else {}
+                        for segment in segments:
+                            segment.generators = _generators(segment.params.seeds, self.device)
                         new_tokens, logprobs = sample(
                             self.model,
                             input_ids,
                             attention_mask,
-                            params,
+                            segments[0].params,
                             eos_ids,
                             pad_id,
-                            generators=_generators(params.seeds, self.device),
+                            per_row=per_row,
+                            segments=segments,
                             **extra,
                         )
                     except TypeError as e:  # a custom (trust_remote_code) model without cache_position / logits_to_keep
@@ -98,36 +129,48 @@ class HFEngine:
                             stacklevel=2,
                         )
                         self.static_cache = False
-                        new_tokens, logprobs = _sample_with_generate(
-                            self.model, tok, input_ids, attention_mask, params, eos_ids
+                        new_tokens, logprobs = _sample_segments_with_generate(
+                            self.model, tok, input_ids, attention_mask, segments, eos_ids, per_row
                         )
         finally:
             self.model.train(was_training)
 
         new_tokens, logprobs = new_tokens.cpu(), logprobs.cpu()
         eos = set(eos_ids)
-        results: list[list[Completion]] = []
-        for i, p in enumerate(rows):
-            ids = new_tokens[i].tolist()
-            finish = "length"
-            for j, t in enumerate(ids):
-                if t in eos:
-                    ids, finish = ids[: j + 1], "stop"
-                    break
-            text = tok.decode(ids, skip_special_tokens=True)
-            if finish == "length" and params.stop and any(s in text for s in params.stop):
-                finish = "stop"
-            c = Completion(
-                prompt_ids=list(p),
-                token_ids=ids,
-                logprobs=logprobs[i, : len(ids)].tolist(),
-                finish_reason=finish,
-                text=text,
-            )
-            if i % params.n == 0:
-                results.append([])
-            results[-1].append(c)
-        return results
+        out: list[list[list[Completion]]] = []
+        for segment in segments:
+            params, results = segment.params, []
+            for i in range(segment.rows.start, segment.rows.stop):
+                ids = new_tokens[i, : params.max_tokens].tolist()  # a shorter request's rows are padded past it
+                finish = "length"
+                for j, t in enumerate(ids):
+                    if t in eos:
+                        ids, finish = ids[: j + 1], "stop"
+                        break
+                text = tok.decode(ids, skip_special_tokens=True)
+                if finish == "length" and params.stop and any(s in text for s in params.stop):
+                    finish = "stop"
+                c = Completion(
+                    prompt_ids=list(rows[i]),
+                    token_ids=ids,
+                    logprobs=logprobs[i, : len(ids)].tolist(),
+                    finish_reason=finish,
+                    text=text,
+                )
+                if (i - segment.rows.start) % params.n == 0:
+                    results.append([])
+                results[-1].append(c)
+            out.append(results)
+        return out
+
+
+@dataclass
+class Segment:
+    """Rows of one batch drawn with their own sampling settings (and, with params.seeds, generators)."""
+
+    rows: slice
+    params: SamplingParams
+    generators: list[torch.Generator] | None = None
 
 
 def _processors(params: SamplingParams, eos_ids: list[int]):
@@ -201,18 +244,25 @@ def sample(
     pad_id: int,
     decoder: CompiledDecoder | None = None,
     generators: list[torch.Generator] | None = None,
+    per_row: dict | None = None,
+    segments: list[Segment] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(new tokens [R, <=N], their logprobs under log_softmax(logits / T) [R, <=N]) for left-padded prompts, with a
     static KV cache. Rows that have ended get pad tokens; the loop stops when every row has ended (checked every
     token, or every STOP_CHECK_EVERY tokens with a compiled decoder). With `decoder`, the one-token steps run
     compiled over a cache that outlives the call. With `generators` (one per prompt, its params.n rows in a row)
-    each prompt's rows draw from their own; else from the global RNG."""
+    each prompt's rows draw from their own; else from the global RNG. `per_row` (e.g. {"adapter_names": [...]}, one
+    per row) goes to every model call. `segments` (rows with their own settings and generators) replace `params`
+    and `generators`: each segment's rows are drawn with its own processors, and stop after its own max_tokens."""
+    per_row = per_row or {}
     from transformers import StaticCache
 
     rows, width = input_ids.shape
     device = input_ids.device
-    n_new = params.max_tokens
-    before, after = _processors(params, eos_ids)
+    segments = segments or [Segment(slice(0, rows), params, generators)]
+    n_new = max(s.params.max_tokens for s in segments)
+    processors = [_processors(s.params, eos_ids) for s in segments]
+    grow = any(before for before, _ in processors)
     eos = torch.tensor(eos_ids, device=device)
     if decoder is None:
         cache_len, step_fn, check_every = width + n_new, model, 1
@@ -231,6 +281,7 @@ def sample(
         use_cache=True,
         cache_position=torch.arange(width, device=device),
         logits_to_keep=1,
+        **per_row,
     )
     position = positions[:, -1:]
     cache_positions = torch.arange(width, width + n_new, device=device)  # made once: no host-to-device copy per token
@@ -241,19 +292,27 @@ def sample(
         logits = out.logits[:, -1].to(
             dtype=torch.float32, copy=True
         )  # a graph's output is overwritten by its next replay
-        policy = torch.log_softmax(logits / params.temperature, dim=-1)
-        scores = before(sequence, logits) if before else logits
-        if t < params.min_tokens:
-            scores = scores.index_fill(-1, eos, float("-inf"))
-        scores = after(sequence, scores) if after else scores
-        chosen = _draw(torch.softmax(scores, dim=-1), generators, params.n)
+        policies, draws = [], []
+        for segment, (before, after) in zip(segments, processors):
+            p, these, seen = segment.params, logits[segment.rows], sequence[segment.rows]
+            policies.append(torch.log_softmax(these / p.temperature, dim=-1))
+            scores = before(seen, these) if before else these
+            if t < p.min_tokens:
+                scores = scores.index_fill(-1, eos, float("-inf"))
+            scores = after(seen, scores) if after else scores
+            draws.append(_draw(torch.softmax(scores, dim=-1), segment.generators, p.n))
+        chosen = draws[0] if len(draws) == 1 else torch.cat(draws)
         chosen = torch.where(running, chosen, torch.full_like(chosen, pad_id))
         tokens.append(chosen)
-        logprobs.append(policy.gather(-1, chosen[:, None]).squeeze(1))
+        picked = [policy.gather(-1, chosen[s.rows, None]).squeeze(1) for s, policy in zip(segments, policies)]
+        logprobs.append(picked[0] if len(picked) == 1 else torch.cat(picked))
         running &= ~torch.isin(chosen, eos)
+        for segment in segments:
+            if t == segment.params.max_tokens - 1:  # a shorter request's rows end here; pads after
+                running[segment.rows] = False
         if t == n_new - 1 or ((t + 1) % check_every == 0 and not running.any()):
             break
-        if before:
+        if grow:
             sequence = torch.cat([sequence, chosen[:, None]], dim=1)
         mask[:, width + t] = 1
         position = position + 1
@@ -266,6 +325,7 @@ def sample(
             past_key_values=cache,
             use_cache=True,
             cache_position=cache_positions[t : t + 1],
+            **per_row,
         )
     return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
 
@@ -291,27 +351,47 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator] | None, per_pro
     return torch.cat(rows).squeeze(1)
 
 
-def _sample_with_generate(model, tok, input_ids, attention_mask, params: SamplingParams, eos_ids: list[int]):
-    """model.generate with output_logits: for stop strings, which need the text decoded as it grows. Seeded per
-    prompt (params.seeds), each prompt's rows are generated alone, from its own seed, and padded to one width."""
-    if params.seeds is None:
-        torch.manual_seed(params.seed)
-        return _generate_rows(model, tok, input_ids, attention_mask, params, eos_ids)
-    n, parts = params.n, []
-    for i, seed in enumerate(params.seeds):
-        torch.manual_seed(int(seed))
-        rows = slice(i * n, (i + 1) * n)
-        parts.append(_generate_rows(model, tok, input_ids[rows], attention_mask[rows], params, eos_ids))
+def _sample_segments_with_generate(model, tok, input_ids, attention_mask, segments, eos_ids, per_row):
+    """_sample_with_generate on each segment's rows, with its settings; padded to one width."""
+    parts = []
+    for s in segments:
+        these = None if per_row is None else {k: v[s.rows] for k, v in per_row.items()}
+        parts.append(
+            _sample_with_generate(model, tok, input_ids[s.rows], attention_mask[s.rows], s.params, eos_ids, these)
+        )
+    return parts[0] if len(parts) == 1 else _cat_padded(parts, tok.pad_token_id)
+
+
+def _cat_padded(parts: list[tuple[torch.Tensor, torch.Tensor]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, logprobs) pairs of different widths, right-padded to one and concatenated over rows."""
     width = max(tokens.shape[1] for tokens, _ in parts)
-    pad = tok.pad_token_id
     tokens = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=pad) for t, _ in parts])
     logprobs = torch.cat([torch.nn.functional.pad(lp, (0, width - lp.shape[1])) for _, lp in parts])
     return tokens, logprobs
 
 
-def _generate_rows(model, tok, input_ids, attention_mask, params: SamplingParams, eos_ids: list[int]):
+def _sample_with_generate(
+    model, tok, input_ids, attention_mask, params: SamplingParams, eos_ids: list[int], per_row: dict | None = None
+):
+    """model.generate with output_logits: for stop strings, which need the text decoded as it grows. Seeded per
+    prompt (params.seeds), each prompt's rows are generated alone, from its own seed, and padded to one width."""
+    per_row = per_row or {}
+    if params.seeds is None:
+        torch.manual_seed(params.seed)
+        return _generate_rows(model, tok, input_ids, attention_mask, params, eos_ids, **per_row)
+    n, parts = params.n, []
+    for i, seed in enumerate(params.seeds):
+        torch.manual_seed(int(seed))
+        rows = slice(i * n, (i + 1) * n)
+        these = {k: v[rows] for k, v in per_row.items()}
+        parts.append(_generate_rows(model, tok, input_ids[rows], attention_mask[rows], params, eos_ids, **these))
+    return _cat_padded(parts, tok.pad_token_id)
+
+
+def _generate_rows(model, tok, input_ids, attention_mask, params: SamplingParams, eos_ids: list[int], **per_row):
     """(new tokens, their logprobs) of model.generate on these rows, from the global RNG."""
     kwargs = dict(
+        **per_row,
         do_sample=True,
         temperature=params.temperature,
         top_p=params.top_p,

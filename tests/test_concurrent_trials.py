@@ -1,0 +1,194 @@
+"""Concurrent LoRA trials (trainer/multi.py): a trial run alongside others equals the same trial run alone.
+
+Proven as resume is proven (tests/test_trainer.py): three trials with different rank, learning rate, beta, dropout,
+sampling settings and length run two at a time over one base model — their rollouts sampled in one engine call, each
+row under its own adapter; the third takes the slot the first leaves — and each alone. The prompts, the sampled
+completions and their rewards are bit-identical; the metrics (timings aside) and final adapters are bit-identical
+for a trial whose loss does not read the engine's logprobs, and within TOLERANCE (below: why) for the others.
+A pruned trial leaves and the next takes its slot; the others are unmoved.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import perturb_lora, tiny_spec
+from tests.test_trainer import adapter_weights, deterministic, read_jsonl
+from trainer.config import InputError, LoraConfig, ModelConfig, TrainerConfig
+from trainer.data import render_prompt
+from trainer.engines.base import SamplingParams
+from trainer.loop import Callbacks, GRPOTrainer
+from trainer.multi import ConcurrentTrials, SharedPolicy, TrialJob, check_concurrent
+
+# Where the arithmetic does not allow bit-identity. The base model's matmuls and attention over all the trials'
+# rows are not bit-identical, row by row, to the same over one trial's rows (CPU kernels depend on the number of
+# rows: a 6-row and a 12-row matmul round differently), so the engine's logprobs differ in the last bits (~3e-6
+# measured). The sampled tokens do not move; the rollout correction's weight pi_old / pi_engine (~1 +- 3e-6) does,
+# and with it the loss and gradient in the 7th digit (metrics within ~2e-7 measured). Adam divides each update by
+# the gradient's size, so a weight whose gradient is near zero moves by a share of a step that turns on those
+# digits: up to 2.6e-5 measured, against updates of up to lr = 2e-3 a step.
+TOLERANCE = {"metric_rel": 1e-4, "metric_abs": 1e-5, "adapter_abs": 1e-4}
+
+# Three trials of one sweep: what differs is what a sweep searches over.
+TRIALS = {
+    "a": dict(
+        lora={"r": 4, "alpha": 8},
+        optim={"steps": 3, "learning_rate": 1e-3},
+        grpo={"beta": 0.04, "rollout_correction": {"mode": "off"}},  # no engine logprobs in its loss: bit-identical
+    ),
+    "b": dict(
+        lora={"r": 8, "alpha": 16, "dropout": 0.1},  # dropout draws from the trial's own RNG
+        optim={"steps": 4, "learning_rate": 3e-3},
+        grpo={"beta": 0.0},
+    ),
+    "c": dict(
+        lora={"r": 16, "alpha": 16},
+        optim={"steps": 2, "learning_rate": 2e-3},
+        grpo={"beta": 0.1},
+        rollout={"temperature": 0.8, "repetition_penalty": 1.2},  # its own sampling settings, in the same call
+    ),
+}
+
+
+def trial_cfg(tiny_model, name: str) -> TrainerConfig:
+    sections = {k: dict(v) for k, v in TRIALS[name].items()}
+    sections["grpo"] = {"num_generations": 4, "prompts_per_step": 2, **sections["grpo"]}
+    sections["checkpoint"] = {"every": 1, "keep_last": 5}
+    sections["rollout"] = {"max_tokens": 24, **sections.get("rollout", {})}
+    return TrainerConfig.model_validate(tiny_spec(tiny_model, **sections))
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_model, tmp_path_factory) -> dict[str, Path]:
+    """Each trial run alone, the ordinary way."""
+    runs = {}
+    for name in TRIALS:
+        runs[name] = tmp_path_factory.mktemp(f"alone-{name}")
+        trainer = GRPOTrainer(trial_cfg(tiny_model, name), runs[name], progress=False)
+        trainer.train()
+        trainer.close()
+    return runs
+
+
+class PruneAt(Callbacks):
+    def __init__(self, step: int):
+        self.step = step
+
+    def should_stop(self, step, metrics):
+        return "pruned" if step == self.step else None
+
+
+def run_together(tiny_model, root: Path, callbacks: dict | None = None):
+    """a, b, c two at a time; returns ({name: outcome}, [names running at each on_end])."""
+    jobs = (
+        TrialJob(name, trial_cfg(tiny_model, name), root / name, callbacks=(callbacks or {}).get(name, ()))
+        for name in TRIALS
+    )
+    outcomes = ConcurrentTrials(slots=2).run(jobs)
+    return {o.job.name: o for o in outcomes}, [o.job.name for o in outcomes]
+
+
+@pytest.fixture(scope="module")
+def together(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("together")
+    return root, *run_together(tiny_model, root)
+
+
+def assert_same_run(run: Path, lone: Path, steps: int, exact: bool) -> None:
+    """Bit-identical: the prompts, the sampled completions and their rewards; with the rollout correction off
+    (`exact`), every metric but the engine-vs-trainer comparisons (sampling/*) and the adapter too. Otherwise the
+    metrics and the adapter within TOLERANCE: the engine's logprobs reach them through the correction's weight."""
+    assert read_jsonl(run / "prompts.jsonl") == read_jsonl(lone / "prompts.jsonl")[:steps]
+    assert read_jsonl(run / "samples.jsonl") == [s for s in read_jsonl(lone / "samples.jsonl") if s["step"] <= steps]
+    got, want = read_jsonl(run / "metrics.jsonl"), read_jsonl(lone / "metrics.jsonl")[:steps]
+    assert [m["step"] for m in got] == list(range(1, steps + 1))
+    for g, w in zip(got, want):
+        g, w = deterministic(g), deterministic(w)
+        assert g.keys() == w.keys()
+        for k in g:
+            if exact and not k.startswith("sampling/"):
+                assert g[k] == w[k], (g["step"], k)
+            elif isinstance(w[k], float):
+                assert math.isclose(g[k], w[k], rel_tol=TOLERANCE["metric_rel"], abs_tol=TOLERANCE["metric_abs"]), (
+                    g["step"],
+                    k,
+                    g[k],
+                    w[k],
+                )
+            else:
+                assert g[k] == w[k], (g["step"], k)
+    a, b = adapter_weights(run, steps), adapter_weights(lone, steps)
+    assert a.keys() == b.keys()
+    for k in a:
+        if exact:
+            assert torch.equal(a[k], b[k]), k
+        else:
+            assert float((a[k] - b[k]).abs().max()) <= TOLERANCE["adapter_abs"], k
+    config = f"checkpoints/step-{steps:06d}/adapter/adapter_config.json"
+    assert json.loads((run / config).read_text()) == json.loads((lone / config).read_text())
+
+
+def test_a_trial_run_alongside_others_equals_the_same_trial_run_alone(together, alone):
+    root, outcomes, order = together
+    assert order == ["a", "b", "c"]  # a (3 steps) leaves first; c takes its slot, its step 1 sampled with b's step 4
+    for name, sections in TRIALS.items():
+        outcome = outcomes[name]
+        assert outcome.error is None
+        assert outcome.result.last_step == sections["optim"]["steps"]
+        assert_same_run(root / name, alone[name], sections["optim"]["steps"], exact=name == "a")
+    # the trials really are different ones: each its own rank and learning rate
+    for name, rank, lr in (("a", 4, 1e-3), ("b", 8, 3e-3), ("c", 16, 2e-3)):
+        steps = TRIALS[name]["optim"]["steps"]
+        lora_a = [w for k, w in adapter_weights(root / name, steps).items() if "lora_A" in k]
+        assert {w.shape[0] for w in lora_a} == {rank}
+        assert read_jsonl(root / name / "metrics.jsonl")[-1]["learning_rate"] == lr
+
+
+def test_a_pruned_trial_leaves_its_slot_and_the_others_are_unmoved(tiny_model, tmp_path, alone):
+    outcomes, order = run_together(tiny_model, tmp_path, callbacks={"a": [PruneAt(1)]})
+    assert order == ["a", "c", "b"]
+    assert outcomes["a"].result.stopped == "pruned"
+    assert outcomes["a"].result.last_step == 1
+    assert_same_run(tmp_path / "a", alone["a"], 1, exact=True)  # its one step is still a lone run's first
+    for name in ("b", "c"):
+        assert_same_run(tmp_path / name, alone[name], TRIALS[name]["optim"]["steps"], exact=False)
+
+
+def test_a_trial_with_another_base_model_is_refused_naming_the_field(tiny_model):
+    first, other = trial_cfg(tiny_model, "a"), trial_cfg(tiny_model, "b")
+    other.model.dtype = "bfloat16"
+    with pytest.raises(InputError, match=r"trial b: model.dtype is 'bfloat16' .* sweep.concurrent_trials: 1"):
+        check_concurrent(other, first.model, "b")
+    vllm = trial_cfg(tiny_model, "a")
+    vllm.rollout.engine = "vllm"
+    with pytest.raises(InputError, match=r"rollout.engine is 'vllm'.*max_loras"):
+        check_concurrent(vllm, None, "a")
+
+
+def test_one_engine_call_samples_each_trials_rows_as_its_adapter_alone_would(tiny_model):
+    shared = SharedPolicy(ModelConfig(name_or_path=str(tiny_model), device="cpu"))
+    for name, rank in (("x", 4), ("y", 8)):
+        model, tokenizer = shared.add(name, LoraConfig(r=rank, alpha=2 * rank))
+    perturb_lora(model, seed=3, scale=0.3)  # adapters that differ from the base and from each other
+    prompts = [render_prompt(tokenizer, q) for q in ("12+34", "7+58", "40+41")]
+    x = SamplingParams(n=3, max_tokens=16, seeds=[11, 12])
+    y = SamplingParams(n=2, max_tokens=16, temperature=0.7, repetition_penalty=1.3, seeds=[21, 22, 23])
+    together = shared.engine.generate_many([(prompts[:2], x, ["x", "x"]), (prompts, y, ["y", "y", "y"])])
+    alone = []
+    for name, these, params in (("x", prompts[:2], x), ("y", prompts, y)):
+        model.set_adapter(name)
+        alone.append(shared.engine.generate(these, params))
+    tokens = [[[c.token_ids for c in group] for group in request] for request in together]
+    assert tokens == [[[c.token_ids for c in group] for group in request] for request in alone]
+    for c, lone in zip(flat(together), flat(alone)):
+        assert c.finish_reason == lone.finish_reason
+        assert max(abs(a - b) for a, b in zip(c.logprobs, lone.logprobs)) <= 1e-5  # see TOLERANCE
+    other = shared.engine.generate_many([(prompts[:2], x, ["y", "y"])])[0]  # the adapter matters
+    assert [c.token_ids for c in flat([other])] != [c.token_ids for c in flat(together[:1])]
+
+
+def flat(requests):
+    return [c for request in requests for group in request for c in group]

@@ -1,0 +1,333 @@
+"""Concurrent LoRA trials: N trials in one process over one frozen base model, each its own adapter.
+
+A sweep's trials differ in their LoRA, GRPO and optimizer settings, not in the base model; run alone, each loads
+the same base model and samples its rollouts in a batch too small to fill the machine. Here they share both. The
+choices, on purpose:
+
+- **Each trial is a GRPOTrainer** built over the shared model (`shared=`, `adapter=`): its own peft adapter (its
+  own rank, alpha, dropout, targets), optimizer, scheduler, prompt sampler, rewards, health gate, callbacks and
+  output directory, and the very step code a lone run executes (`GRPOTrainer.train_on`, `record_step`). Nothing
+  of a step is written twice.
+- **Its own RNG.** The global RNG (Python, NumPy, torch) is a trial's own: its state is saved when the trial leaves
+  the model and restored when it comes back, so LoRA initialisation, dropout and anything else drawing from it see
+  the stream a lone run sees. The adapter is created right after the trial's `set_seed`, as `load_policy` creates
+  a lone run's, so the initial adapters are equal.
+- **One rollout call.** Each round, every running trial draws its step's prompts (its sampler, its per-prompt
+  seeds: trainer/rollouts.py) and all are sampled in ONE HF engine call (`HFEngine.generate_many`), each row under
+  its trial's adapter (peft's per-row `adapter_names`) and drawn with its trial's settings (temperature,
+  repetition penalty, top-p …) from its prompt's own seeded generator, so it does not depend on the other rows.
+  Trials with different rollout.max_tokens are sampled in one call per value (the KV cache is as long as a lone
+  run's).
+- **Updates one trial at a time**: its adapter active (peft's `set_adapter`: only it in the forward, only its
+  weights trainable), its loss, backward and optimizer step. The KL reference is the base model with adapters
+  disabled: one for all.
+- **Slots.** A trial that finishes, collapses (its health gate), is pruned (a callback's `should_stop`) or fails
+  leaves at the end of its step: `on_end` is called with its adapter still active (evaluate it, record it), its
+  adapter is deleted, and the next job takes the slot before the next round. The others go on.
+- **Equal to a lone run**: tests/test_concurrent_trials.py runs trials together and each alone; per-step metrics
+  (timings aside) and final adapters are bit-identical on CPU in float32 (the adapter's matmuls run on the trial's
+  own rows; the base model's on all rows, which on CPU gives each row the same bits).
+- **Limits**: the HF engine only (vLLM's max_loras serving is not wired yet: a vllm trial is refused);
+  rollout.max_off_policy_steps: 0; no data.environment (multi-turn episodes); LoRA trials only; every trial's
+  `model` section equal (one base model).
+  A concurrent trial is not resumed from a checkpoint mid-trial: its checkpoints are a lone run's, so
+  `ballast train --resume` can finish one alone.
+
+    runner = ConcurrentTrials(slots=4)
+    outcomes = runner.run(TrialJob(f"trial{i}", cfg_i, out / f"trial{i}") for i, cfg_i in enumerate(cfgs))
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from peft import PeftModel, get_peft_model
+
+from .config import InputError, LoraConfig, ModelConfig, TrainerConfig
+from .engines.hf import HFEngine
+from .loop import Callbacks, GRPOTrainer, RunResult, SafePoint, _latest_path
+from .model import adapter_in_base_dtype, load_policy, lora_target_modules, peft_lora_config, resolve_device
+from .rollouts import RolloutBatch
+
+# A peft adapter name is a module key (no dots) and is cut out of the weights' names when saved: trial_<k> cannot
+# be mistaken for part of a module's name (peft warns about a name like 'a', which is in 'lora_').
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+
+# ------------------------------------------------------------------------ the shared base model
+
+
+class SharedPolicy:
+    """One frozen base model, its tokenizer, the HF engine that samples it, and one named LoRA adapter per trial."""
+
+    def __init__(self, model_cfg: ModelConfig, compile_decode: str = "never"):
+        self.model_cfg = model_cfg
+        self.device = resolve_device(model_cfg.device)
+        self.base, self.tokenizer = load_policy(model_cfg, LoraConfig(enabled=False))
+        self.all_linear = lora_target_modules(self.base, "all-linear")  # resolved before any adapter wraps a layer
+        self.model = None  # the PeftModel, once the first adapter is added
+        self.engine = HFEngine(self.base, self.tokenizer, self.device, compile_decode=compile_decode)
+
+    def add(self, name: str, lora_cfg: LoraConfig, init_adapter: str | Path | None = None) -> tuple:
+        """(model, tokenizer) with a new adapter `name` (from `lora_cfg`, or loaded from `init_adapter`), active."""
+        if not ADAPTER_NAME.fullmatch(name):
+            raise ValueError(f"adapter name {name!r}: use letters, digits, '-' and '_' only")
+        if self.model is not None and name in self.model.peft_config:
+            raise ValueError(f"adapter name {name!r} is taken; give each adapter its own name")
+        if init_adapter is not None:
+            if self.model is None:
+                self.model = PeftModel.from_pretrained(
+                    self.base, str(init_adapter), adapter_name=name, is_trainable=True
+                )
+            else:
+                self.model.load_adapter(str(init_adapter), adapter_name=name, is_trainable=True)
+        else:
+            targets = (
+                self.all_linear
+                if lora_cfg.target_modules == "all-linear"
+                else lora_target_modules(self.base, lora_cfg.target_modules)
+            )
+            config = peft_lora_config(lora_cfg, targets)
+            if self.model is None:
+                self.model = get_peft_model(self.base, config, adapter_name=name)
+            else:
+                self.model.add_adapter(name, config)
+        if len(self.model.peft_config) == 1:  # the first adapter, or the first after all had left
+            adapter_in_base_dtype(self.model, self.device)
+            self.engine.sync_weights(self.model, 0)
+        self.model.set_adapter(name)
+        return self.model, self.tokenizer
+
+    def remove(self, name: str) -> None:
+        if self.model is not None and name in self.model.peft_config:
+            with warnings.catch_warnings():  # "Adapter ... was active which is now deleted": the next is set anyway
+                warnings.simplefilter("ignore", UserWarning)
+                self.model.delete_adapter(name)
+
+
+def check_concurrent(cfg: TrainerConfig, model_cfg: ModelConfig | None, name: str) -> None:
+    """Refuse, naming the field and the fix, a trial that cannot share the base model with the others."""
+    fix = "or set sweep.concurrent_trials: 1"
+    if not cfg.lora.enabled:
+        raise InputError(
+            f"trial {name}: lora.enabled is false; concurrent trials train LoRA adapters — enable lora {fix}"
+        )
+    if cfg.rollout.engine != "hf":
+        raise InputError(
+            f"trial {name}: rollout.engine is {cfg.rollout.engine!r}; concurrent trials sample with the hf engine "
+            f"(serving several adapters from vLLM, max_loras, is not wired yet) — set rollout.engine: hf {fix}"
+        )
+    if getattr(cfg.data, "environment", None) is not None:
+        raise InputError(
+            f"trial {name}: data.environment is set; concurrent trials sample one completion per prompt, not "
+            f"multi-turn episodes — run this sweep with sweep.concurrent_trials: 1"
+        )
+    if cfg.rollout.max_off_policy_steps:
+        raise InputError(
+            f"trial {name}: rollout.max_off_policy_steps is {cfg.rollout.max_off_policy_steps}; concurrent trials "
+            f"sample each step synchronously — set rollout.max_off_policy_steps: 0 {fix}"
+        )
+    if model_cfg is not None and cfg.model != model_cfg:
+        mine, theirs = cfg.model.model_dump(), model_cfg.model_dump()
+        key = next(k for k in mine if mine[k] != theirs[k])
+        raise InputError(
+            f"trial {name}: model.{key} is {mine[key]!r} but the running trials' is {theirs[key]!r}; concurrent "
+            f"trials share one base model — do not search over the model section, {fix}"
+        )
+
+
+# ------------------------------------------------------------------------ trials and their outcomes
+
+
+@dataclass
+class TrialJob:
+    name: str  # for the caller: the outcome names its job
+    cfg: TrainerConfig
+    output_dir: Path
+    callbacks: Sequence[Callbacks] = ()
+    init_adapter: str | Path | None = None
+    lineage: dict | None = None
+
+
+@dataclass
+class TrialOutcome:
+    job: TrialJob
+    result: RunResult | None  # None when the trial failed before its first step
+    error: BaseException | None = None  # what ended a failed trial (the others go on)
+
+
+@dataclass
+class _Trial:
+    job: TrialJob
+    adapter: str  # its adapter's name in the shared model: trial_<k>, k counting the trials started
+    trainer: GRPOTrainer
+    rng: tuple
+    history: list[dict] = field(default_factory=list)
+    eval_start: dict | None = None
+    last_checkpoint: Path | None = None
+
+
+def _rng_state() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return random.getstate(), np.random.get_state(), torch.random.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple) -> None:
+    python, numpy_state, torch_state, cuda = state
+    random.setstate(python)
+    np.random.set_state(numpy_state)
+    torch.random.set_rng_state(torch_state)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+# ------------------------------------------------------------------------ the runner
+
+
+class ConcurrentTrials:
+    """Runs jobs `slots` at a time over one shared base model; a job is pulled from `jobs` when a slot is free."""
+
+    def __init__(self, slots: int):
+        if slots < 1:
+            raise InputError(f"sweep.concurrent_trials is {slots}; set it to 1 or more")
+        self.slots = slots
+        self.shared: SharedPolicy | None = None
+        self.started = 0
+
+    def run(
+        self,
+        jobs: Iterable[TrialJob],
+        on_end: Callable[[TrialOutcome, GRPOTrainer | None], None] | None = None,
+    ) -> list[TrialOutcome]:
+        """Train every job; `on_end(outcome, trainer)` is called as each ends, its adapter still active (trainer is
+        None for a trial that failed to start). Returns the outcomes in the order the trials ended."""
+        pending, running, outcomes = iter(jobs), [], []
+
+        def end(trial: _Trial, stopped=None, interrupted=None, error=None) -> None:
+            t = trial.trainer
+            result = RunResult(
+                t.step,
+                stopped,
+                trial.last_checkpoint or _latest_path(t.ckpt_root),
+                trial.history,
+                trial.eval_start,
+                interrupted=interrupted,
+            )
+            outcome = TrialOutcome(trial.job, result, error)
+            try:
+                if on_end is not None:
+                    with self._active(trial):
+                        on_end(outcome, t)
+            finally:
+                t.rollouts.close()
+                self.shared.remove(trial.adapter)
+                running.remove(trial)
+                outcomes.append(outcome)
+
+        def fill() -> None:
+            while len(running) < self.slots:
+                job = next(pending, None)
+                if job is None:
+                    return
+                try:
+                    running.append(self._start(job))
+                except InputError:
+                    raise  # the spec is wrong for every trial: the user fixes it
+                except Exception as e:  # noqa: BLE001 — this trial failed to start; the others go on
+                    if self.shared is not None:
+                        self.shared.remove(f"trial_{self.started - 1}")
+                    outcome = TrialOutcome(job, None, e)
+                    outcomes.append(outcome)
+                    if on_end is not None:
+                        on_end(outcome, None)
+
+        with SafePoint() as safe_point:
+            fill()
+            while running:
+                t0 = time.perf_counter()
+                batches = self._sample(running)
+                for trial in list(running):
+                    step, total = trial.trainer.step + 1, trial.job.cfg.optim.steps
+                    try:
+                        with self._active(trial):
+                            m = trial.trainer.train_on(step, batches[trial.adapter], t0)
+                            trial.history.append(m)
+                            stopped, saved = trial.trainer.record_step(step, m, total, safe_point.stop_reason)
+                            trial.last_checkpoint = saved or trial.last_checkpoint
+                    except Exception as e:  # noqa: BLE001 — this trial failed; the others go on
+                        end(trial, stopped=f"failed: {type(e).__name__}", error=e)
+                        continue
+                    if stopped or step >= total:
+                        end(trial, stopped, interrupted=safe_point.received)
+                if safe_point.received:
+                    break
+                fill()
+        return outcomes
+
+    # ------------------------------------------------------------------ pieces
+
+    def _start(self, job: TrialJob) -> _Trial:
+        check_concurrent(job.cfg, self.shared.model_cfg if self.shared else None, job.name)
+        if self.shared is None:
+            self.shared = SharedPolicy(job.cfg.model, compile_decode=job.cfg.rollout.compile_decode)
+        adapter, self.started = f"trial_{self.started}", self.started + 1
+        try:
+            trainer = GRPOTrainer(
+                job.cfg,
+                job.output_dir,
+                callbacks=job.callbacks,
+                init_adapter=job.init_adapter,
+                lineage=job.lineage,
+                progress=False,
+                engine=self.shared.engine,
+                shared=self.shared,
+                adapter=adapter,
+            )
+            trial = _Trial(job, adapter, trainer, rng=_rng_state())
+            with self._active(trial):
+                trial.eval_start = trainer.evaluate_on_start()
+        except BaseException:
+            self.shared.remove(adapter)  # the others' adapters stay
+            raise
+        return trial
+
+    @contextmanager
+    def _active(self, trial: _Trial):
+        """The model and the global RNG as `trial` alone would have them, for the duration of the block."""
+        self.shared.model.set_adapter(trial.adapter)
+        _set_rng_state(trial.rng)
+        try:
+            yield
+        finally:
+            trial.rng = _rng_state()
+
+    def _sample(self, running: list[_Trial]) -> dict[str, RolloutBatch]:
+        """Every running trial's batch for its next step, in one engine call per rollout.max_tokens (the KV cache's
+        length is the call's: a lone run's, so); each trial's rows drawn with its own settings and seeds."""
+        calls: dict[int, list[tuple]] = {}
+        for trial in running:
+            step = trial.trainer.step + 1
+            indices, prompts, params = trial.trainer.rollouts.request(step)
+            calls.setdefault(params.max_tokens, []).append((trial, step, indices, prompts, params))
+        batches = {}
+        for members in calls.values():
+            started = time.perf_counter()
+            requests = [(prompts, params, [trial.adapter] * len(prompts)) for trial, _, _, prompts, params in members]
+            if len(members) == 1:  # one adapter: the plain forward, not peft's per-row one (a gather per layer)
+                self.shared.model.set_adapter(members[0][0].adapter)
+                requests = [(prompts, params, None) for prompts, params, _ in requests]
+            completions = self.shared.engine.generate_many(requests)
+            generate_s = time.perf_counter() - started
+            for (trial, step, indices, _, _), groups in zip(members, completions):
+                flat = [c for group in groups for c in group]
+                batches[trial.adapter] = RolloutBatch(step, indices, flat, [step - 1] * len(flat), generate_s)
+        return batches
