@@ -285,3 +285,31 @@ def test_a_state_saved_by_one_process_resumes_on_two_ranks(tiny_model, tmp_path_
     out = tmp_path_factory.mktemp(f"resume-on-two-{parallel}")
     ranks = spawn(resume_run, (tiny_model, parallel, str(straight["dir"] / "dcp"), None, None), out)
     _assert_same_weights(ranks[0], straight["after_two"])
+
+
+# ------------------------------------------------------------------------ a rank that dies
+
+
+DIES = """
+import sys, torch, torch.distributed as dist
+from trainer import distributed as dd
+world = dd.init("cpu", timeout_s=30)
+with dd.stop_when_others_are_lost():
+    dist.all_reduce(torch.ones(1))  # both ranks are up
+    if world.rank == 1:
+        sys.exit(7)  # dies before the next collective
+    dist.all_reduce(torch.ones(1))  # rank 0 waits for a rank that is gone
+print("rank", world.rank, "was not stopped")
+"""
+
+
+def test_a_rank_that_dies_stops_the_others_with_one_line_naming_it(capfd):
+    from tasks.ranks import launch
+
+    status = launch(2, ["-c", DIES])
+    out, err = capfd.readouterr()  # the ranks' output too
+    assert status == 7
+    line = [x for x in err.splitlines() if x.startswith("rank 1 of 2 failed")]
+    assert line == ["rank 1 of 2 failed (exit status 7); the other rank (0) stopped"], err
+    assert "was not stopped" not in out + err
+    assert "rank 0: lost the other ranks" in err  # rank 0 failed in its collective instead of hanging

@@ -59,6 +59,13 @@ class ModelConfig(Section):
     torch_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads (CPU); None = torch's default, one per core."
     )
+    parallel: Literal["none", "ddp", "fsdp2"] = Field(
+        "none",
+        description="How ranks share the model under `ballast train --nproc N` (torchrun, one node): 'ddp' replicates "
+        "it (it fits one device), 'fsdp2' shards it (torch fully_shard: each decoder layer, then the root; LoRA "
+        "applied first); 'none' is one process. Every world size trains the same global batch "
+        "(trainer/distributed.py).",
+    )
     trust_remote_code: bool = Field(
         False,
         description="Let transformers run the model repository's own Python "

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -93,6 +94,25 @@ def init(device: str | torch.device = "cpu", timeout_s: float = DEFAULT_TIMEOUT_
             device_id=device if device.type == "cuda" else None,
         )
     return World(rank, size, local_rank, device)
+
+
+LOST_EXIT = 75  # a rank's exit status when a collective failed because another rank is gone (tasks/ranks.py)
+
+
+@contextmanager
+def stop_when_others_are_lost():
+    """Around a rank's work: a collective that fails because another rank died or did not answer within the
+    process-group timeout ends this rank quietly with LOST_EXIT, so the launcher names the rank that failed first."""
+    try:
+        yield
+    except Exception as e:  # gloo raises RuntimeError, NCCL DistBackendError
+        if isinstance(e, dist.DistError) or "gloo" in str(e).lower() or "timed out" in str(e).lower():
+            print(
+                f"rank {os.environ.get('RANK', '?')}: lost the other ranks ({str(e).splitlines()[0][:160]})",
+                file=sys.stderr,
+            )
+            raise SystemExit(LOST_EXIT) from None
+        raise
 
 
 def world() -> World:
@@ -356,6 +376,24 @@ def check_shardable(model: nn.Module, parallel: str) -> None:
         raise ValueError(
             f"model.parallel: fsdp2 cannot shard {type(base).__name__}: the class names no decoder layers "
             "(_no_split_modules) to shard; use model.parallel: ddp"
+        )
+
+
+def check_model_class(name_or_path: str, parallel: str, trust_remote_code: bool = False) -> None:
+    """`check_shardable` from the model's config alone (no weights load): its causal-LM class must name the decoder
+    layers FSDP2 shards. A model not on disk yet (built or downloaded on first use) is checked when it loads."""
+    if parallel != "fsdp2" or not (os.path.isdir(name_or_path) and os.path.isfile(f"{name_or_path}/config.json")):
+        return
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config))
+    if cls is None or not getattr(cls, "_no_split_modules", None):
+        name = cls.__name__ if cls is not None else type(config).__name__
+        raise ValueError(
+            f"model.parallel: fsdp2 cannot shard {name}: the class names no decoder layers (_no_split_modules) to "
+            "shard; use model.parallel: ddp"
         )
 
 
