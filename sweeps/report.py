@@ -436,8 +436,9 @@ def _slice(rows: list[dict], sweep: SweepSpec, key: str, base) -> plt.Figure:
 
 def _intermediate(trials, sweep: SweepSpec, study, base) -> plt.Figure:
     from .pruning import report_metric
+    from .space import trial_spec
 
-    metric = study.user_attrs.get("ballast.report_metric") or report_metric(sweep)
+    metric = report_metric(sweep, trial_spec(sweep, {}))  # eval/* when the trials evaluate every eval.every steps
     fig, ax = plt.subplots(figsize=(7, 4))
     for t in trials:
         if not t.intermediate_values:
