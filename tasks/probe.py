@@ -20,7 +20,9 @@ runs the steps below and returns a `ProbeReport` (tasks/probe_report.py).
 What fits the model probed: prompts are the experiment's held-out prompts (`data:`; its training prompts when it
 has no held-out set), the first `probe.num_prompts`, rendered exactly as training renders them (system prompt,
 template), or `probe.prompts_file`; the data section and rewards are the ones the checkpoint was trained with
-(state/trainer_state.json) unless given. The format check applies only when the rewards require a tag
+(state/trainer_state.json) unless given. With `data.environment` each sample is an episode of the environment
+(trainer/episodes.py, the HF engine at the probe's settings), classified by the model's last turn.
+The format check applies only when the rewards require a tag
 (`probe.format_tag` overrides). `too_long` fires beyond `probe.length_factor` x the baseline's median length on the
 same prompt (`probe.expected_length`, or a prompt file's, overrides). The verdict is relative: it fails when the
 malformed rate exceeds the baseline's by more than `probe.max_malformed_increase` with one-sided Fisher exact
@@ -448,8 +450,9 @@ def _sample_and_classify(
 ) -> _Sampled:
     """Step 5: the checkpoint and its baseline sampled on the same rendered prompts, every completion classified."""
     rendered = [render_prompt(artifact.tokenizer, p["prompt"], data) for p in prompts]
-    groups = _sample(artifact.model, artifact.tokenizer, artifact.device, rendered, cfg)
-    baseline = _baseline(artifact, rendered, cfg, cache_dir, baseline_cache) if cfg.compare_to_base else None
+    episodes = _episodes(artifact.tokenizer, prompts, data, cfg)
+    groups = _sample(artifact.model, artifact.tokenizer, artifact.device, rendered, cfg, episodes)
+    baseline = _baseline(artifact, rendered, cfg, cache_dir, baseline_cache, episodes) if cfg.compare_to_base else None
     artifact.release()
     expected = _expected_lengths(prompts, cfg, baseline.groups if baseline else None)
     samples, per_prompt = _classify(prompts, groups, expected, tag, cfg)
@@ -576,11 +579,37 @@ class Generated:
     finish_reason: str
 
 
-def _sample(model, tokenizer, device, rendered: list[list[int]], cfg: ProbeConfig) -> list[list[Generated]]:
-    """Every rendered prompt sampled cfg.n times in one seeded batch."""
+def _episodes(tokenizer, prompts: list[dict], data: DataConfig | None, cfg: ProbeConfig):
+    """(the episode runner, the prompts as examples) when the data has an environment: the probe then runs its
+    episodes (trainer/episodes.py); None otherwise."""
+    if data is None or data.environment is None:
+        return None
+    from trainer.data import Example
+    from trainer.episodes import EpisodeRunner
+
+    examples = [Example(p["prompt"], p["answer"] if p["answer"] is not None else "") for p in prompts]
+    return EpisodeRunner.from_config(data, tokenizer, cfg.max_tokens), examples
+
+
+def _sample(
+    model, tokenizer, device, rendered: list[list[int]], cfg: ProbeConfig, episodes=None
+) -> list[list[Generated]]:
+    """Every rendered prompt sampled cfg.n times in one seeded batch; with `episodes` (`_episodes`) each sample is an
+    episode of the environment, classified by the model's last turn (its text, and the tokens it sampled)."""
     params = SamplingParams(n=cfg.n, max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=cfg.seed)
-    groups = HFEngine(model, tokenizer, device).generate(rendered, params)
-    return [[Generated(c.text, list(c.token_ids), c.finish_reason) for c in group] for group in groups]
+    engine = HFEngine(model, tokenizer, device)
+    if episodes is None:
+        groups = engine.generate(rendered, params)
+        return [[Generated(c.text, list(c.token_ids), c.finish_reason) for c in group] for group in groups]
+    runner, examples = episodes
+    groups = runner.run(engine, examples, params, [f"probe prompt {i}" for i in range(len(examples))])
+    return [[Generated(c.text, _last_turn(c), c.finish_reason) for c in group] for group in groups]
+
+
+def _last_turn(c) -> list[int]:
+    """The tokens of an episode's last turn of the model (after its last inserted token)."""
+    inserted = [i for i, m in enumerate(c.loss_mask) if not m]
+    return list(c.token_ids[inserted[-1] + 1 :] if inserted else c.token_ids)
 
 
 @dataclass
@@ -592,7 +621,12 @@ class _Baseline:
 
 
 def _baseline(
-    artifact: _Artifact, rendered: list[list[int]], cfg: ProbeConfig, cache_dir: Path, baseline_cache: Path
+    artifact: _Artifact,
+    rendered: list[list[int]],
+    cfg: ProbeConfig,
+    cache_dir: Path,
+    baseline_cache: Path,
+    episodes=None,
 ) -> _Baseline:
     """The starting point's completions on the same prompts with the same settings: the fork's parent checkpoint,
     else the base model; from the cache when it holds them, else sampled and cached."""
@@ -616,6 +650,7 @@ def _baseline(
         "device": artifact.device.type,
         "dtype": str(next(artifact.model.parameters()).dtype),
         "engine": "hf",
+        **({"environment": episodes[0].env.name} if episodes else {}),
     }
     key = _digest({"version": BASELINE_CACHE_VERSION, "model": whose, "prompts": rendered, "settings": settings})
     path = baseline_cache / f"{key[:32]}.json"
@@ -625,7 +660,7 @@ def _baseline(
             return _Baseline(who, [[Generated(**g) for g in group] for group in stored["groups"]], True, note)
         except (OSError, ValueError, KeyError, TypeError):
             pass  # an unreadable cache entry is sampled again and replaced
-    groups = _sample_baseline(artifact, parent, rendered, cfg)
+    groups = _sample_baseline(artifact, parent, rendered, cfg, episodes)
     baseline_cache.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(
@@ -643,19 +678,19 @@ def _baseline(
 
 
 def _sample_baseline(
-    artifact: _Artifact, parent: Checkpoint | None, rendered: list[list[int]], cfg: ProbeConfig
+    artifact: _Artifact, parent: Checkpoint | None, rendered: list[list[int]], cfg: ProbeConfig, episodes=None
 ) -> list[list[Generated]]:
     model, tokenizer, device = artifact.model, artifact.tokenizer, artifact.device
     if parent is None and artifact.checkpoint.adapter_dir is not None and hasattr(model, "disable_adapter"):
         with model.disable_adapter():  # the base model itself, without a second load
-            return _sample(model, tokenizer, device, rendered, cfg)
+            return _sample(model, tokenizer, device, rendered, cfg, episodes)
     model_cfg, lora_cfg = artifact.model_cfg, artifact.lora_cfg
     if parent is not None:
         start, _ = parent.load_policy(model_cfg, lora_cfg)
     else:
         start, _ = load_policy(model_cfg, lora_cfg.model_copy(update={"enabled": False}), trainable=False)
     try:
-        return _sample(start, tokenizer, device, rendered, cfg)
+        return _sample(start, tokenizer, device, rendered, cfg, episodes)
     finally:
         del start
 

@@ -363,7 +363,16 @@ def describe_run(spec: ExperimentSpec) -> list[str]:
         f"rewards   {', '.join(f'{n} x{r.weight:g}' for n, r in zip(names, spec.rewards))}; eval/accuracy reads "
         f"{accuracy or 'none (eval/reward is the score)'}",
         f"training  {spec.optim.steps} steps of {g.prompts_per_step} prompts x {g.num_generations} completions",
-    ]
+    ] + ([_describe_environment(spec.data)] if spec.data.environment else [])
+
+
+def _describe_environment(data) -> str:
+    from trainer.environment import load_environment
+
+    env = load_environment(data.environment)
+    budget = f", {data.max_episode_tokens} tokens" if data.max_episode_tokens else ""
+    tools = ", ".join(env.tools) or "none"
+    return f"episodes  {data.environment}: up to {data.max_turns} turns{budget}; tools: {tools}"
 
 
 # ── YAML files and validation errors, read the same way for specs and sweep files (sweeps/space.py) ─────

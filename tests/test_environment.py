@@ -393,22 +393,21 @@ def env_trainer(model_path, out, **sections):
     from trainer.config import TrainerConfig
     from trainer.loop import GRPOTrainer
 
-    spec = tiny_spec(
-        model_path,
-        data={
+    defaults = {
+        "data": {
             "num_prompts": 16,
             "num_eval_prompts": 2,
             "environment": "tests.environment_fixtures:CheckAgain",
             "max_turns": 2,
         },
-        rollout={"max_tokens": 32, "log_samples": 2},
-        optim={"steps": 2, "learning_rate": 1e-3},
-        checkpoint={"every": 1, "keep_last": 5},
-        eval={"every": 0, "on_start": True, "max_tokens": 32},
-        **sections,
-    )
-    cfg = TrainerConfig.model_validate(spec)
-    return GRPOTrainer(cfg, out, progress=False)
+        "rollout": {"max_tokens": 32, "log_samples": 2},
+        "optim": {"steps": 2, "learning_rate": 1e-3},
+        "checkpoint": {"every": 1, "keep_last": 5},
+        "eval": {"every": 0, "on_start": True, "max_tokens": 32},
+    }
+    for name, value in sections.items():
+        defaults[name] = {**defaults.get(name, {}), **value}
+    return GRPOTrainer(TrainerConfig.model_validate(tiny_spec(model_path, **defaults)), out, progress=False)
 
 
 def test_a_step_on_episodes_trains_on_sampled_tokens_and_reports_episodes(tool_model, tmp_path):
@@ -428,7 +427,7 @@ def test_a_step_on_episodes_trains_on_sampled_tokens_and_reports_episodes(tool_m
 
 
 def test_a_resumed_run_with_episodes_in_flight_equals_an_uninterrupted_one(tool_model, tmp_path):
-    sections = {"rollout": {"max_tokens": 32, "log_samples": 2, "max_off_policy_steps": 1}}
+    sections = {"rollout": {"max_off_policy_steps": 1}, "eval": {"on_start": False}}
     straight = env_trainer(tool_model, tmp_path / "straight", **sections)
     straight_history = straight.train(2).history
     straight.close()
