@@ -86,6 +86,13 @@ def _pipeline_commands(command) -> None:
     p.add_argument("--steps", type=int, help="total steps (overrides optim.steps; counts steps already done)")
     p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --output")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="ranks on this node under torchrun (model.parallel: ddp or fsdp2); each trains its share of the same "
+        "global batch (default 1)",
+    )
 
     p = command(
         "sync",

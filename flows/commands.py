@@ -285,6 +285,11 @@ def cmd_train(args) -> int:
         raise UserError(f"--steps {args.steps}: give the run's total number of steps, 1 or more")
     spec = load_spec(args.spec, args.set + ([f"optim.steps={args.steps}"] if args.steps is not None else []))
     check_runnable(spec)
+    nproc = getattr(args, "nproc", 1)
+    if nproc != 1:
+        from tasks.ranks import check_ranks
+
+        check_ranks(spec, nproc)  # too many ranks, a world size not dividing the batch, fsdp2 unshardable: one line
     out = Path(args.output or Path(spec.project_dir) / "runs" / spec.name)
     from tasks.checkpoint import list_checkpoints  # the checkpoint format's one home is trainer/checkpoint.py
 
@@ -296,6 +301,13 @@ def cmd_train(args) -> int:
 
     # every refusal comes before the first write: a refused command leaves the run directory as it was
     resuming = check_resumable(spec, out) if args.resume else None
+    if nproc > 1:  # every rank runs this command on the spec as checked (rank 0 records; trainer/distributed.py)
+        from tasks.ranks import launch
+
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "spec.yaml").write_text(dump_spec(spec))
+        flags = ["--resume"] * args.resume + ["--quiet"] * args.quiet
+        return launch(nproc, ["-m", "flows.cli", "train", str(out / "spec.yaml"), "--output", str(out), *flags])
     source = None if resuming else fork_alone(spec)
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec.yaml").write_text(dump_spec(spec))

@@ -32,6 +32,13 @@ def check_ranks(spec: ExperimentSpec, nproc: int) -> None:
             distributed.check_model_class(spec.model.name_or_path, spec.model.parallel, spec.model.trust_remote_code)
     except ValueError as e:
         raise SpecError(str(e)) from None
+    from trainer.loop import GRPOTrainer
+
+    if nproc > 1 and not getattr(GRPOTrainer, "supports_ranks", False):
+        raise SpecError(
+            f"--nproc {nproc}: the training loop (trainer/loop.py) does not run on several ranks yet (issue 21: the "
+            "distributed pieces are in trainer/distributed.py, the loop's use of them is pending); use --nproc 1"
+        )
 
 
 def launch(nproc: int, argv: list[str], log=None) -> int:

@@ -313,3 +313,66 @@ def test_a_rank_that_dies_stops_the_others_with_one_line_naming_it(capfd):
     assert line == ["rank 1 of 2 failed (exit status 7); the other rank (0) stopped"], err
     assert "was not stopped" not in out + err
     assert "rank 0: lost the other ranks" in err  # rank 0 failed in its collective instead of hanging
+
+
+# ------------------------------------------------------------------------ refused before the model loads
+
+
+def ballast_train(tmp_path, spec: dict, *args: str):
+    import subprocess
+    import sys
+
+    import yaml
+
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump({"name": "ranks", **spec}))
+    cmd = [sys.executable, "-m", "flows.cli", "train", str(path), "--output", str(tmp_path / "run"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
+
+
+def _refused(result) -> str:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def test_more_ranks_than_cores_is_refused_in_one_line(tiny_model, tmp_path):
+    from tests.conftest import tiny_spec
+
+    cores = len(os.sched_getaffinity(0))
+    spec = tiny_spec(tiny_model, model={"parallel": "ddp"}, grpo={"prompts_per_step": 2 * cores + 2})
+    line = _refused(ballast_train(tmp_path, spec, "--nproc", str(cores + 1)))
+    assert line == f"error: --nproc {cores + 1}: this machine has {cores} CPU cores; give --nproc {cores} or fewer"
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_world_size_that_does_not_divide_the_prompts_per_step_is_refused(tiny_model, tmp_path):
+    from tests.conftest import tiny_spec
+
+    spec = tiny_spec(tiny_model, model={"parallel": "fsdp2"}, grpo={"prompts_per_step": 3})
+    line = _refused(ballast_train(tmp_path, spec, "--nproc", "2"))
+    assert line.startswith("error: --nproc 2 does not divide grpo.prompts_per_step 3: each rank trains whole groups")
+
+
+def test_fsdp2_for_a_model_class_it_cannot_shard_is_refused(tiny_model, tmp_path):
+    import json
+
+    from tests.conftest import tiny_spec
+
+    model = tmp_path / "ctrl"  # CTRLLMHeadModel names no decoder layers (_no_split_modules); only its config exists
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "ctrl", "n_layer": 1, "n_embd": 8, "n_head": 2}))
+    spec = tiny_spec(model, model={"parallel": "fsdp2"}, grpo={"prompts_per_step": 2})
+    line = _refused(ballast_train(tmp_path, spec, "--nproc", "2"))
+    assert line == (
+        "error: model.parallel: fsdp2 cannot shard CTRLLMHeadModel: the class names no decoder layers "
+        "(_no_split_modules) to shard; use model.parallel: ddp"
+    )
+
+
+def test_more_than_one_rank_with_parallel_none_is_refused(tiny_model, tmp_path):
+    from tests.conftest import tiny_spec
+
+    line = _refused(ballast_train(tmp_path, tiny_spec(tiny_model), "--nproc", "2"))
+    assert line == "error: --nproc 2 with model.parallel: none; set model.parallel: ddp or fsdp2 (or --nproc 1)"

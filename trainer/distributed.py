@@ -388,7 +388,7 @@ def check_model_class(name_or_path: str, parallel: str, trust_remote_code: bool 
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config))
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     if cls is None or not getattr(cls, "_no_split_modules", None):
         name = cls.__name__ if cls is not None else type(config).__name__
         raise ValueError(
