@@ -376,3 +376,65 @@ def test_more_than_one_rank_with_parallel_none_is_refused(tiny_model, tmp_path):
 
     line = _refused(ballast_train(tmp_path, tiny_spec(tiny_model), "--nproc", "2"))
     assert line == "error: --nproc 2 with model.parallel: none; set model.parallel: ddp or fsdp2 (or --nproc 1)"
+
+
+# ------------------------------------------------------------------------ the token metrics, reduced
+
+
+def metric_batch() -> dict:
+    """A global batch of per-token values for the entropy and sampling metrics: engine logprobs missing on some
+    tokens, one row out of the loss, staleness differing by row."""
+    g = torch.Generator().manual_seed(99)
+    B, T = 8, 5
+    token_mask = (torch.rand(B, T, generator=g) > 0.2).float()
+    token_mask[:, 0] = 1
+    loss_mask = token_mask.clone()
+    loss_mask[5] = 0
+    old = -torch.rand(B, T, generator=g) * 3
+    engine = old + 0.4 * torch.randn(B, T, generator=g)
+    engine[1, 2] = engine[6, 0] = float("nan")
+    entropy = torch.rand(B, T, generator=g) * 2
+    staleness = [0, 1, 0, 2, 1, 0, 0, 3]
+    return {"token": token_mask, "loss": loss_mask, "old": old, "engine": engine, "entropy": entropy, "st": staleness}
+
+
+CORRECTIONS = [(mode, level) for mode in ("off", "tis", "mis") for level in ("token", "sequence")]
+
+
+def _token_metrics_of() -> dict:
+    from trainer.config import RolloutCorrectionConfig
+    from trainer.loss import rollout_correction
+
+    rank, size = dd.world().rank, dd.world().size
+    b = metric_batch()
+    per = b["token"].shape[0] // size
+    rows = slice(rank * per, (rank + 1) * per)
+    out = {}
+    for mode, level in CORRECTIONS:
+        cfg = RolloutCorrectionConfig(mode=mode, level=level, low=0.8, high=1.25)
+        corr = rollout_correction(b["old"][rows], b["engine"][rows], b["loss"][rows], cfg)
+        out[(mode, level)] = dd.token_metrics(
+            b["entropy"][rows], b["old"][rows], b["engine"][rows], b["token"][rows], b["loss"][rows], corr, mode, level,
+            b["st"][rows],
+        )  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("mode,level", CORRECTIONS)
+def test_entropy_and_sampling_metrics_of_two_ranks_equal_the_single_process(tmp_path_factory, mode, level):
+    from trainer.config import RolloutCorrectionConfig
+    from trainer.loss import rollout_correction
+    from trainer.metrics import entropy_metric, sampling_metrics
+
+    if "token-metrics" not in _RUNS:
+        _RUNS["token-metrics"] = spawn(_token_metrics_of, (), tmp_path_factory.mktemp("token-metrics"))
+    b = metric_batch()
+    cfg = RolloutCorrectionConfig(mode=mode, level=level, low=0.8, high=1.25)
+    corr = rollout_correction(b["old"], b["engine"], b["loss"], cfg)
+    want = {**entropy_metric(b["entropy"], b["loss"])}
+    want.update(sampling_metrics(b["old"], b["engine"], b["token"], b["loss"], corr, cfg, b["st"]))
+    for got in (r[(mode, level)] for r in _RUNS["token-metrics"]):
+        assert got.keys() == want.keys()
+        for name, value in want.items():
+            assert got[name] == pytest.approx(value, rel=1e-6, abs=1e-7, nan_ok=True), name
+    assert 0 < want["sampling/frac_logprobs_valid"] < 1  # the batch really has missing engine logprobs
