@@ -128,20 +128,14 @@ def run_stages(
         raise
     view.opened(run.name, run.url, spec.name)
     watch = Watch(run, view)
-    compute = None  # infra.compute: here trains in this process; local or skypilot on a provisioned node
+    compute, command = None, None  # infra.compute: here trains in this process; local or skypilot on a node
     try:
         if spec.infra.compute != "here":
             compute, command = open_compute(spec, run.tracking.uri, run.run_id)
             with watch.stage("provision"):
                 provision_task(compute)
         with watch.stage("train"):
-            if compute is not None:
-                hooks = [view, *(callbacks or [])]  # the node sends metrics and checkpoints itself
-                outcome = node_train_task(compute, command, run, hooks, view.say, spec.infra.max_restarts)
-            else:
-                uploader = CheckpointUploader(run.store, run.checkpoint_prefix)
-                hooks = [run.metrics, run.headline, uploader, view, *(callbacks or [])]
-                outcome = train_task(spec, run.output_dir, hooks, run.source, resume=run.resumed, progress=view.bar)
+            outcome = train_stage(spec, run, view, callbacks or [], compute, command)
             watch.record(outcome)
             outcome.raise_if_interrupted()
         with watch.stage("checkpoint"):
@@ -172,6 +166,17 @@ def run_stages(
         if compute is not None:  # always: success, failure, cancellation, Ctrl-C (SkyPilot's autodown if we die)
             teardown_task(compute)
             view.say(record_usage(run, compute.usage()))
+
+
+def train_stage(spec: ExperimentSpec, run: RunRecorder, view: PipelineView, callbacks: list, compute, command):
+    """The train task here (metrics to MLflow, checkpoints to the store as they are saved) or on the node, which
+    sends its metrics and checkpoints itself and whose step lines reach `view` and `callbacks`."""
+    if compute is not None:
+        hooks = [view, *callbacks]
+        return node_train_task(compute, command, run, hooks, view.say, spec.infra.max_restarts)
+    uploader = CheckpointUploader(run.store, run.checkpoint_prefix)
+    hooks = [run.metrics, run.headline, uploader, view, *callbacks]
+    return train_task(spec, run.output_dir, hooks, run.source, resume=run.resumed, progress=view.bar)
 
 
 def open_run(

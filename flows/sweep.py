@@ -56,8 +56,7 @@ from tasks.eval import eval_baseline
 from tasks.fork import fork
 from tasks.record import SweepRecorder
 from tasks.spec import validate_spec
-from tasks.train import RunInterrupted
-from trainer.loop import Callbacks
+from tasks.train import Callbacks, RunInterrupted
 
 CLI = "import sys; from flows.cli import main; sys.exit(main())"
 
