@@ -324,6 +324,8 @@ def cmd_train(args) -> int:
         )
         print(stop, file=sys.stderr)
         return stop.exit_code
+    if os.environ.get("RANK", "0") != "0":  # one of --nproc ranks: rank 0 speaks for the run
+        return 3 if result.stopped else 0
     if args.resume:
         print(
             f"resumed from {resumed_from}" if resumed_from else f"no checkpoint in {out}/checkpoints; started at step 1"

@@ -9,8 +9,9 @@ The choices:
   ...) tells the trainer it is one of N (trainer/distributed.py), one torch thread per core it is given.
 - **A rank that dies stops the others**: torchrun's agent ends the rest as soon as one exits with an error (and a
   rank blocked in a collective fails within the process-group timeout); the command then prints one line naming
-  the rank that failed first — ranks that only lost the others exit with trainer/distributed.py's LOST_EXIT and are
-  not blamed — and exits with that rank's status.
+  the rank that caused it — one that exited with its own error, before one killed by a signal; ranks that only
+  lost the others (trainer/distributed.py's LOST_EXIT, gloo's SIGABRT, the agent's SIGTERM) are not blamed — and
+  exits with that rank's status.
 """
 
 from __future__ import annotations
@@ -66,9 +67,15 @@ def launch(nproc: int, argv: list[str], log=None) -> int:
         elastic_launch(config, sys.executable)(*argv)
     except ChildFailedError as e:
         failures = e.failures
-        blamed = {r: f for r, f in failures.items() if f.exitcode not in (LOST_EXIT, -15)} or failures
-        rank = min(blamed, key=lambda r: (blamed[r].timestamp, r))
-        code = blamed[rank].exitcode
+
+        # the cause: a rank that exited with its own error, before one killed by a signal, before one that only lost
+        # the others (LOST_EXIT; SIGABRT from gloo on a closed connection; SIGTERM from the agent's teardown)
+        def blame(r: int) -> tuple:
+            code = failures[r].exitcode
+            return (0 if code > 0 and code != LOST_EXIT else 1 if code not in (LOST_EXIT, -6, -15) else 2, r)
+
+        rank = min(failures, key=blame)
+        code = failures[rank].exitcode
         what = f"exit status {code}" if code >= 0 else f"signal {-code}"
         others = sorted(set(range(nproc)) - {rank})
         print(

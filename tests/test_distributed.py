@@ -291,13 +291,13 @@ def test_a_state_saved_by_one_process_resumes_on_two_ranks(tiny_model, tmp_path_
 
 
 DIES = """
-import sys, torch, torch.distributed as dist
+import os, torch, torch.distributed as dist
 from trainer import distributed as dd
 world = dd.init("cpu", timeout_s=30)
 with dd.stop_when_others_are_lost():
     dist.all_reduce(torch.ones(1))  # both ranks are up
     if world.rank == 1:
-        sys.exit(7)  # dies before the next collective
+        os._exit(7)  # dies (a crash: no clean-up) before the next collective
     dist.all_reduce(torch.ones(1))  # rank 0 waits for a rank that is gone
 print("rank", world.rank, "was not stopped")
 """

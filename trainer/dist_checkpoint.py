@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
+    get_optimizer_state_dict,
     get_state_dict,
     set_state_dict,
 )
@@ -64,6 +65,12 @@ def full_trainable_state(wrapped: nn.Module) -> dict[str, torch.Tensor]:
     rank 0 (every rank calls it: it gathers)."""
     state = get_model_state_dict(wrapped, options=_FULL)
     return {name.removeprefix("policy."): t for name, t in state.items()}
+
+
+def full_optimizer_state(wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state as whole CPU tensors keyed by parameter name (what a checkpoint's optimizer file holds
+    for a sharded run); complete on rank 0 (every rank calls it: it gathers)."""
+    return get_optimizer_state_dict(wrapped, optimizer, options=_FULL)
 
 
 def export_adapter(wrapped: nn.Module, directory: str | Path, adapter: str = "default") -> Path | None:

@@ -429,6 +429,9 @@ def wrap(policy: nn.Module, parallel: str, device: torch.device | None = None) -
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(1.0)
                 m.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+        with torch.no_grad():  # the root's lazy initialisation, before anything calls a layer on its own (generate)
+            ids = torch.ones((1, 2), dtype=torch.long, device=next(policy.parameters()).device)
+            module(ids, torch.ones_like(ids), 1)
         return module
     raise ValueError(f"model.parallel: {parallel!r} is not one of {', '.join(PARALLEL)}")
 
@@ -444,6 +447,46 @@ def accumulating(wrapped: nn.Module, last: bool):
     if hasattr(wrapped, "set_requires_gradient_sync"):
         wrapped.set_requires_gradient_sync(last)
     yield
+
+
+@contextmanager
+def full_weights(wrapped: nn.Module):
+    """Within the block the policy holds its whole weights on every rank and runs without collectives, so each rank
+    may call it on its own (generate, eval, a fingerprint; rank 0 alone may save it): FSDP2's units are gathered and
+    kept gathered, then sharded again after. DDP's and one process's policy is whole already."""
+    units = [m for m in wrapped.modules() if _is_fsdp(m)]
+    for m in units:
+        m.set_reshard_after_forward(False)
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in units:
+            m.reshard()
+            m.set_reshard_after_forward(True)
+
+
+def _is_fsdp(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def local_rows(result, rows: int):
+    """This rank's rows of an AdvantageResult computed over the global batch (trainer/advantages.py): advantages and
+    loss mask of its own completions; the group std and the shares stay the global batch's."""
+    from dataclasses import replace
+
+    w = world()
+    mine = slice(w.rank * rows, (w.rank + 1) * rows)
+    group = len(result.advantages) // max(len(result.group_std), 1)
+    groups = slice(mine.start // group, mine.stop // group)
+    return replace(
+        result,
+        advantages=result.advantages[mine],
+        loss_mask_seq=result.loss_mask_seq[mine],
+        group_std=result.group_std[groups],
+    )
 
 
 def _sum_hook(state, bucket):
