@@ -25,6 +25,8 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
     get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 
@@ -82,3 +84,54 @@ def export_adapter(wrapped: nn.Module, directory: str | Path, adapter: str = "de
     policy = dd.policy_of(wrapped)
     policy.save_pretrained(str(directory), state_dict=state, selected_adapters=[adapter])
     return Path(directory)
+
+
+# ------------------------------------------------------------------------ a plain checkpoint into N ranks, and back
+
+
+def trainable_names(wrapped: nn.Module) -> list[str]:
+    """The trainable parameters' names, as the optimizer's full state keys them, in the optimizer's order."""
+    return [n.removeprefix("module.") for n, p in wrapped.named_parameters() if p.requires_grad]
+
+
+def optimizer_by_name(state: dict, names: list[str]) -> dict:
+    """An optimizer state keyed by position (torch's optimizer.state_dict()) keyed by parameter name instead."""
+    if all(isinstance(k, str) for k in state["state"]) and all(
+        isinstance(p, str) for g in state["param_groups"] for p in g["params"]
+    ):
+        return state
+    return {
+        "state": {names[int(i)]: v for i, v in state["state"].items()},
+        "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in state["param_groups"]],
+    }
+
+
+def optimizer_by_position(state: dict, names: list[str]) -> dict:
+    """An optimizer state keyed by parameter name (a sharded run's checkpoint) keyed by position, for
+    optimizer.load_state_dict in a replicated or single process."""
+    index = {name: i for i, name in enumerate(names)}
+    if not any(isinstance(k, str) for k in state["state"]) and not any(
+        isinstance(p, str) for g in state["param_groups"] for p in g["params"]
+    ):
+        return state
+    return {
+        "state": {index[k]: v for k, v in state["state"].items()},
+        "param_groups": [{**g, "params": [index[p] for p in g["params"]]} for g in state["param_groups"]],
+    }
+
+
+def load_whole(wrapped: nn.Module, optimizer: torch.optim.Optimizer, weights: dict, optim_state: dict) -> None:
+    """Whole trainable weights (named as in the policy, no wrapper prefix) and a whole optimizer state (by position
+    or by name) into a sharded policy and its optimizer; every rank calls it with the same values."""
+    names = trainable_names(wrapped)
+    missing = [n for n in names if n.removeprefix("policy.") not in weights]
+    if missing:
+        raise ValueError(f"the checkpoint has no weights for {missing[:3]}; it was saved with another model or lora")
+    set_model_state_dict(
+        wrapped,
+        {n: weights[n.removeprefix("policy.")] for n in names},
+        options=StateDictOptions(full_state_dict=True, strict=False, ignore_frozen_params=True),
+    )
+    set_optimizer_state_dict(
+        wrapped, optimizer, optimizer_by_name(optim_state, names), options=StateDictOptions(full_state_dict=True)
+    )

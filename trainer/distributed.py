@@ -432,6 +432,7 @@ def wrap(policy: nn.Module, parallel: str, device: torch.device | None = None) -
         with torch.no_grad():  # the root's lazy initialisation, before anything calls a layer on its own (generate)
             ids = torch.ones((1, 2), dtype=torch.long, device=next(policy.parameters()).device)
             module(ids, torch.ones_like(ids), 1)
+        module.reshard()  # the root too: every parameter a shard again
         return module
     raise ValueError(f"model.parallel: {parallel!r} is not one of {', '.join(PARALLEL)}")
 
