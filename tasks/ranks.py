@@ -33,6 +33,17 @@ def check_ranks(spec: ExperimentSpec, nproc: int) -> None:
             distributed.check_model_class(spec.model.name_or_path, spec.model.parallel, spec.model.trust_remote_code)
     except ValueError as e:
         raise SpecError(str(e)) from None
+    if nproc > 1:
+        unsupported = {
+            "rollout.engine": (spec.rollout.engine, spec.rollout.engine != "hf", "hf (each rank samples its prompts)"),
+            "rollout.max_off_policy_steps": (spec.rollout.max_off_policy_steps, spec.rollout.max_off_policy_steps, "0"),
+            "grpo.kl_ref_step_lag": (spec.grpo.kl_ref_step_lag, spec.grpo.kl_ref_step_lag, "null"),
+        }
+        for field, (value, refused, fix) in unsupported.items():
+            if refused:
+                raise SpecError(
+                    f"--nproc {nproc}: {field}: {value} does not run on several ranks yet; set {field}: {fix}"
+                )
     from trainer.loop import GRPOTrainer
 
     if nproc > 1 and not getattr(GRPOTrainer, "supports_ranks", False):
