@@ -192,7 +192,7 @@ def pieces(c: Completion) -> list[tuple[int, list[int]]]:
 
 
 def test_an_episode_is_its_sampled_turns_and_the_inserted_messages_between_them(policy):
-    from trainer.engines.hf import HFEngine
+    from trainer.engines.hf import HFEngine, _eos_ids
 
     model, tokenizer = policy
     runner = runner_for(tokenizer, "tests.environment_fixtures:CheckAgain", max_turns=3)
@@ -206,10 +206,12 @@ def test_an_episode_is_its_sampled_turns_and_the_inserted_messages_between_them(
             assert [m for m, _ in runs] == [1, 0, 1, 0, 1]  # three turns of the model, two inserted messages
             inserted = tokenizer.encode("\n<|user|>Check again.<|assistant|>", add_special_tokens=False)
             assert runs[1][1] == inserted and runs[3][1] == inserted
-            assert all(ids[-1] == tokenizer.eos_token_id for m, ids in runs if m)  # each turn ended by the model
+            turns = [ids for m, ids in runs if m]
+            assert all(ids[-1] in _eos_ids(model, tokenizer) for ids in turns[:-1])  # the model ended each turn
+            assert (turns[-1][-1] in _eos_ids(model, tokenizer)) == (c.finish_reason == "stop")  # or ran out
             assert [math.isfinite(lp) for lp in c.logprobs] == [bool(m) for m in c.loss_mask]
             assert c.text == tokenizer.decode(runs[-1][1], skip_special_tokens=True)
-            assert c.finish_reason == "stop" and c.episode["turns"] == 3 and c.episode["cut"] is None
+            assert c.episode["turns"] == 3 and c.episode["cut"] == (None if c.finish_reason == "stop" else "max_tokens")
             assert c.episode["drift"] is False  # this template re-renders the history as it was sent
     assert groups[0][0].token_ids != groups[0][1].token_ids  # the group's episodes are sampled apart
 

@@ -151,7 +151,7 @@ def load_environment(name: str, spec_dir: str | Path | None = None) -> Environme
             ) from None
         schema["function"].pop("return", None)
         schemas.append(schema)
-        params[n] = inspect.signature(bound)
+        params[n] = inspect.signature(bound, eval_str=True)
     has_step = callable(getattr(cls, "step", None))
     if not tools and not has_step:
         raise EnvironmentInputError(

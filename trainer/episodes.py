@@ -12,10 +12,13 @@ elsewhere); `text`, which rewards score, is the last turn's; `episode` holds the
 
 The choices, on purpose:
 
-- Seeded per episode and turn: the turn t of generation g of the prompt at position i is sampled with its own seed,
-  a function of that prompt's seed (`SamplingParams.seeds`: rollout.seed, step, position), g and t. An episode's
-  tokens do not depend on which others share its batches, so a resumed run regenerates them identically, and the
-  batches in flight at a checkpoint are saved with their episodes (trainer/rollouts.py).
+- Seeded per episode and turn: the first turns of a prompt's G episodes are its G samples of one request, seeded by
+  the prompt's seed (`SamplingParams.seeds`: rollout.seed, step, position) exactly as a single-turn batch is; turn t
+  of generation g is then sampled alone with a seed of (the prompt's seed, g, t). On the HF engine (a generator per
+  prompt) an episode's tokens do not depend on which others share its batches; vLLM takes one seed per request, so
+  there a turn's draws depend on its batch, as its single-turn batches do. Either way a step's batch is a function of
+  the step, so a resumed run regenerates it identically, and batches in flight at a checkpoint are saved with their
+  episodes (trainer/rollouts.py).
 - One engine call per turn for all active episodes (max_tokens: the largest budget left among them; each episode's
   turn is then cut to its own — a token drawn does not depend on how many follow it).
 - An episode cut by a budget ends with finish_reason 'length', as a truncated completion does (grpo.
@@ -143,13 +146,18 @@ class EpisodeRunner:
             budgets = [
                 self.max_tokens if limit is None else min(self.max_tokens, limit - len(e.token_ids)) for _, e in active
             ]
-            turn_params = replace(
-                params,
-                n=1,
-                max_tokens=max(budgets),
-                seeds=[episode_seed(e.seed, g, turn) for g, e in active],
-            )
-            out = engine.generate([e.prompt_ids + e.token_ids for _, e in active], turn_params)
+            if turn == 0:  # the first turns: each prompt's G samples in one request, as for a single-turn batch
+                first = replace(params, max_tokens=max(budgets), seeds=prompt_seeds)
+                out = [[c] for group in engine.generate([g[0].prompt_ids for g in groups], first) for c in group]
+            else:  # then one request per episode, seeded by (its prompt's seed, its generation, the turn)
+                later = replace(
+                    params,
+                    n=1,
+                    max_tokens=max(budgets),
+                    seed=episode_seed(params.seed, 0, turn),
+                    seeds=[episode_seed(e.seed, g, turn) for g, e in active],
+                )
+                out = engine.generate([e.prompt_ids + e.token_ids for _, e in active], later)
             for (_, e), [c], budget in zip(active, out, budgets):
                 self._turn(e, c, budget, turn)
         return [[self._completion(e) for e in group] for group in groups]
@@ -364,11 +372,11 @@ class GenerateEngine:
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[list[Completion]]:
         import torch
 
-        from .evaluate import _eos_ids, _generated_length
+        from .engines.hf import _eos_ids
 
         tok, model = self.tokenizer, self.model
         device = next(model.parameters()).device
-        stop = _eos_ids(model, tok)
+        stop = set(_eos_ids(model, tok))
         was_training = model.training
         model.eval()
         out: list[list[Completion]] = []
@@ -385,7 +393,7 @@ class GenerateEngine:
                     torch.manual_seed((params.seeds[start] if params.seeds else params.seed + start) % 2**63)
                     new = model.generate(**batch, **kwargs)[:, batch["input_ids"].shape[1] :]
                 for k, row in enumerate(new.tolist()):
-                    ids = row[: _generated_length(row, stop)]
+                    ids = row[: next((i + 1 for i, t in enumerate(row) if t in stop), len(row))]  # through its eos
                     if k % params.n == 0:
                         out.append([])
                     out[-1].append(

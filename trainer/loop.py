@@ -51,6 +51,7 @@ from . import checkpoint as ckpt
 from .advantages import compute_advantages
 from .config import InputError, TrainerConfig
 from .data import PromptSampler, data_fingerprint, load_datasets, render_prompt, reward_columns
+from .episodes import add_environment_reward, conversation_text, episode_metrics
 from .evaluate import evaluate_with_samples
 from .health import HealthGate, batch_health, hacking_signals
 from .logprobs import check_packing, completion_logprobs
@@ -172,7 +173,12 @@ class GRPOTrainer:
             correctness=self.rewards.accuracy_name(cfg.eval.reward),
             weights=dict(zip(self.rewards.names, self.rewards.weights)),
         )
-        self.rollouts = RolloutProducer(cfg, engine or self._make_engine(), self.sampler, self._prompt)
+        episodes = None
+        if cfg.data.environment is not None:  # multi-turn episodes with tools (trainer/episodes.py)
+            from .episodes import EpisodeRunner
+
+            episodes = (EpisodeRunner.from_config(cfg.data, self.tokenizer, cfg.rollout.max_tokens), self.train_set)
+        self.rollouts = RolloutProducer(cfg, engine or self._make_engine(), self.sampler, self._prompt, episodes)
         self.step = 0
         self.num_tokens = 0  # prompt + completion tokens of all steps so far (TRL's num_tokens)
         self.last_prompt_indices: list[int] = []
@@ -253,6 +259,7 @@ class GRPOTrainer:
         answers = [e.answer for e in examples for _ in range(g.num_generations)]
         prompts = [e.prompt for e in examples for _ in range(g.num_generations)]
         total, parts = self.rewards(texts, answers, prompts, **reward_columns(examples, g.num_generations))
+        total, parts = add_environment_reward(total, parts, completions)  # an environment's own, when it has one
         t_reward = time.perf_counter()
 
         # 4. advantages
@@ -346,7 +353,18 @@ class GRPOTrainer:
         endings = [c.finish_reason for c in completions]
         append_rows(
             self.out / SAMPLES_FILE,
-            sample_rows(step, prompts, answers, texts, endings, lengths, total, parts, cfg.rollout.log_samples),
+            sample_rows(
+                step,
+                prompts,
+                answers,
+                texts,
+                endings,
+                lengths,
+                total,
+                parts,
+                cfg.rollout.log_samples,
+                [conversation_text(c) for c in completions],
+            ),
         )
         m: dict[str, float] = {"step": step, "num_tokens": float(self.num_tokens)}
         m.update(reward_metrics(total, parts, adv.frac_reward_zero_std, adv.frac_zero_std_groups))
@@ -358,6 +376,7 @@ class GRPOTrainer:
         m.update(sampling_metrics(old_lp, engine_lp, token_mask, loss_mask, corr, correction, staleness))
         m.update(batch_health(texts, [c.token_ids for c in completions]))
         m.update(hacking_signals([c.token_ids for c in completions], total, g.num_generations))
+        m.update(episode_metrics(completions))  # turns, tool calls and errors, budgets, drift (multi-turn episodes)
         m["advantages/frac_masked"] = 1.0 - float(adv.loss_mask_seq.float().mean())
         m["learning_rate"] = self.scheduler.get_last_lr()[0]
         t_end = time.perf_counter()

@@ -95,8 +95,12 @@ class RolloutBatch:
 class RolloutProducer:
     """Makes each step's batch on the fixed schedule, up to k steps ahead; `take(step, model)` hands it over."""
 
-    def __init__(self, cfg: TrainerConfig, engine, sampler: PromptSampler, prompt_ids: Callable[[int], list[int]]):
-        self.engine, self.sampler, self.prompt_ids = engine, sampler, prompt_ids
+    def __init__(
+        self, cfg: TrainerConfig, engine, sampler: PromptSampler, prompt_ids: Callable[[int], list[int]], episodes=None
+    ):
+        """episodes: (EpisodeRunner, the training examples) when data.environment is set: each completion is then a
+        multi-turn episode run through the engine turn by turn (trainer/episodes.py)."""
+        self.engine, self.sampler, self.prompt_ids, self.episodes = engine, sampler, prompt_ids, episodes
         self.rollout, self.k, self.last_step = cfg.rollout, cfg.rollout.max_off_policy_steps, cfg.optim.steps
         self.prompts_per_step, self.group_size = cfg.grpo.prompts_per_step, cfg.grpo.num_generations
         self.next_step: int | None = None  # the next batch whose prompts are drawn
@@ -143,7 +147,13 @@ class RolloutProducer:
 
         def generate() -> RolloutBatch:
             started = time.perf_counter()
-            completions = [c for group in self.engine.generate(prompts, params) for c in group]
+            if self.episodes is None:
+                groups = self.engine.generate(prompts, params)
+            else:
+                runner, examples = self.episodes
+                where = [f"data.source row {i}" for i in indices]
+                groups = runner.run(self.engine, [examples[i] for i in indices], params, where)
+            completions = [c for group in groups for c in group]
             return RolloutBatch(step, indices, completions, [version] * len(completions), time.perf_counter() - started)
 
         self.made[step] = self.background.submit(generate) if self.background else _finished(generate())
