@@ -44,13 +44,6 @@ def check_ranks(spec: ExperimentSpec, nproc: int) -> None:
                 raise SpecError(
                     f"--nproc {nproc}: {field}: {value} does not run on several ranks yet; set {field}: {fix}"
                 )
-    from trainer.loop import GRPOTrainer
-
-    if nproc > 1 and not getattr(GRPOTrainer, "supports_ranks", False):
-        raise SpecError(
-            f"--nproc {nproc}: the training loop (trainer/loop.py) does not run on several ranks yet (issue 21: the "
-            "distributed pieces are in trainer/distributed.py, the loop's use of them is pending); use --nproc 1"
-        )
 
 
 def launch(nproc: int, argv: list[str], log=None) -> int:

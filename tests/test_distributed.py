@@ -443,15 +443,6 @@ def test_entropy_and_sampling_metrics_of_two_ranks_equal_the_single_process(tmp_
 # ------------------------------------------------------------------------ `ballast train --nproc 2` end to end
 
 
-def _ranks_supported() -> bool:
-    from trainer.loop import GRPOTrainer
-
-    return getattr(GRPOTrainer, "supports_ranks", False)
-
-
-needs_ranks = pytest.mark.skipif(
-    not _ranks_supported(), reason="trainer/loop.py does not run on ranks yet (issue 21: the loop's integration)"
-)
 ADAPTER_ATOL = 1e-6  # final adapter weights (|w| ~0.1): float32 sums in another order, over 2-4 AdamW steps
 
 
@@ -508,13 +499,11 @@ def one_process_run(tiny_model, tmp_path_factory) -> Path:
     return _train(tmp_path_factory.mktemp("one"), _e2e_spec(tiny_model, "none", 4), "run")
 
 
-@needs_ranks
 @pytest.mark.parametrize("parallel", ["fsdp2", "ddp"])
 def test_ballast_train_on_two_ranks_equals_one_process(tiny_model, tmp_path, one_process_run, parallel):
     _same_run(_train(tmp_path, _e2e_spec(tiny_model, parallel, 4), "run", "--nproc", "2"), one_process_run, 4)
 
 
-@needs_ranks
 @pytest.mark.parametrize("parallel", ["fsdp2", "ddp"])
 @pytest.mark.parametrize("first,then", [("2", "1"), ("1", "2")], ids=["2-to-1", "1-to-2"])
 def test_a_checkpoint_resumes_on_another_number_of_ranks(tiny_model, tmp_path, one_process_run, parallel, first, then):

@@ -22,6 +22,10 @@ Reads top to bottom in the order the data flows. The choices, on purpose:
   fine-tuning) or, with `kl_ref_step_lag: k`, the policy k steps back (snapshots of the trainable
   weights, saved in the checkpoint so a resume is exact).
 - The trainer knows nothing of Prefect, MLflow or Optuna: it reports through `Callbacks`.
+- One global batch, whatever the world size: under torchrun (`ballast train --nproc N`, trainer/distributed.py)
+  each rank samples and scores whole groups of the step's prompts, advantages and loss normalisers are the global
+  batch's, gradients are summed over ranks (DDP or FSDP2) and metrics reduced over the global batch; only rank 0
+  writes metrics, samples and checkpoints (the plain checkpoint one process writes, the weights gathered whole).
 - A step is `train_on` (given its rollouts) then `record_step` (log, ask the gate and callbacks, checkpoint):
   concurrent trials over one base model (trainer/multi.py) call the same two with rollouts sampled together.
 - SIGTERM (preemption) and SIGINT (Ctrl-C) during the loop stop it at a safe point (`SafePoint`): the step in
@@ -48,6 +52,7 @@ import torch
 from transformers import set_seed
 
 from . import checkpoint as ckpt
+from . import distributed as dd
 from .advantages import compute_advantages
 from .config import InputError, TrainerConfig
 from .data import PromptSampler, data_fingerprint, load_datasets, render_prompt, reward_columns
@@ -133,6 +138,7 @@ class GRPOTrainer:
         self.ckpt_root = self.out / "checkpoints"
         self.out.mkdir(parents=True, exist_ok=True)
         set_seed(cfg.optim.seed)  # Python's random, numpy, torch (and CUDA)
+        self.world = dd.init(resolve_device(cfg.model.device))  # torchrun's ranks (trainer/distributed.py); or one
 
         # ---------------------------------------------------------------- model, reference, optimizer
         ensure_model(cfg.model)
@@ -155,6 +161,10 @@ class GRPOTrainer:
         if g.beta > 0 and not cfg.lora.enabled and g.kl_ref_step_lag is None:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.lagged: deque = deque(maxlen=(g.kl_ref_step_lag or 0) + 1)
+        self.wrapped = dd.wrap(self.model, cfg.model.parallel)  # the logprob forward, replicated or sharded over ranks
+        if self.world.distributed:  # FSDP2 replaced the parameters with sharded ones
+            self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+            self.params = [p for _, p in self.named_params]
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
             self.params, lr=o.learning_rate, betas=(o.adam_beta1, o.adam_beta2), weight_decay=o.weight_decay
@@ -217,8 +227,7 @@ class GRPOTrainer:
             return None
         state = checkpoint.training_state()
         _refuse_changed_config(state.trainer.get("config", {}), _resumable_view(self.cfg), checkpoint.path)
-        checkpoint.load_weights_into(self.model)
-        self.optimizer.load_state_dict(state.optimizer)
+        self._load_weights_and_optimizer(checkpoint, state.optimizer)
         self.scheduler.load_state_dict(state.scheduler)
         self.sampler.load_state_dict(state.trainer["sampler"])
         self.rollouts.load_state_dict(state.trainer.get("rollouts"))
@@ -228,17 +237,43 @@ class GRPOTrainer:
         ckpt.restore_rng(state.rng)
         self.step = state.trainer["step"]
         self.num_tokens = state.trainer.get("num_tokens", 0)
-        _truncate_metrics(self.out / "metrics.jsonl", self.step)
-        _truncate_metrics(self.out / "prompts.jsonl", self.step)
-        for samples in (SAMPLES_FILE, EVAL_SAMPLES_FILE):
-            _truncate_metrics(self.out / samples, self.step)
+        if self.world.main:  # only rank 0 writes the run's records
+            _truncate_metrics(self.out / "metrics.jsonl", self.step)
+            _truncate_metrics(self.out / "prompts.jsonl", self.step)
+            for samples in (SAMPLES_FILE, EVAL_SAMPLES_FILE):
+                _truncate_metrics(self.out / samples, self.step)
         return checkpoint.path
+
+    def _load_weights_and_optimizer(self, checkpoint: ckpt.Checkpoint, optim_state: dict) -> None:
+        """A checkpoint saved by any world size (its optimizer state by position, or by name from a sharded run) into
+        this one: a sharded policy takes the whole weights and state and keeps its shards."""
+        from . import dist_checkpoint
+
+        names = dist_checkpoint.trainable_names(self.wrapped)
+        if not (self.world.distributed and self.cfg.model.parallel == "fsdp2"):
+            checkpoint.load_weights_into(self.model)
+            self.optimizer.load_state_dict(dist_checkpoint.optimizer_by_position(optim_state, names))
+            return
+        from safetensors.torch import load_file
+
+        saved: dict = {}
+        for f in (
+            [checkpoint.adapter_dir / "adapter_model.safetensors"]
+            if checkpoint.adapter_dir
+            else sorted(checkpoint.model_dir.glob("*.safetensors"))
+        ):
+            saved.update(load_file(str(f)))
+        plain = [n.removeprefix("policy.") for n in names]  # peft saves the adapter's weights without its name
+        weights = {n: saved[k] for n in plain if (k := n.replace(f".{self.adapter}.", ".")) in saved}
+        dist_checkpoint.load_whole(self.wrapped, self.optimizer, weights, optim_state)
 
     # -------------------------------------------------------------------- one step
     def train_step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
         # 1-2. prompts and rollouts: this step's batch, sampled now or (max_off_policy_steps) up to k steps ago
-        return self.train_on(step, self.rollouts.take(step, self.model), t0)
+        with dd.full_weights(self.wrapped):  # each rank samples its own prompts, without collectives
+            sampled = self.rollouts.take(step, self.model)
+        return self.train_on(step, sampled, t0)
 
     def train_on(self, step: int, sampled: RolloutBatch, t0: float) -> dict[str, float]:
         """Steps 3-8 on `step`'s rollouts (sampled by this trainer's producer, or with other trials' in one engine
@@ -252,7 +287,7 @@ class GRPOTrainer:
         staleness = sampled.versions_behind(step - 1)  # per completion: versions between its sampler and pi_old
         ckpt.fault_point("kill-in-step", step)
         ckpt.fault_point("hold-in-step", step)
-        self.last_prompt_indices = indices
+        self.last_prompt_indices = dd.gather(indices)  # the global batch's, in rank order
 
         # 3. rewards
         texts = [c.text for c in completions]
@@ -263,15 +298,18 @@ class GRPOTrainer:
         t_reward = time.perf_counter()
 
         # 4. advantages
-        truncated = torch.tensor([c.finish_reason == "length" for c in completions])
-        adv = compute_advantages(
-            torch.tensor(total, dtype=torch.float32),
+        #    over the global batch (a rank holds whole groups; scale_rewards: batch is the global batch's), then this
+        #    rank's rows
+        truncated = torch.tensor(dd.gather([c.finish_reason == "length" for c in completions]))
+        adv_all = compute_advantages(
+            torch.tensor(dd.gather(total), dtype=torch.float32),
             g.num_generations,
             g.scale_rewards,
             truncated=truncated,
             mask_truncated=g.mask_truncated_completions,
             drop_zero_std_groups=g.drop_zero_std_groups,
         )
+        adv = dd.local_rows(adv_all, len(completions))
 
         # 5. batch tensors: left-padded prompt, right-padded completion; the whole batch's loss normalisers
         batch = _padded_batch(completions, self.tokenizer.pad_token_id)
@@ -288,12 +326,12 @@ class GRPOTrainer:
                 "had sampled the trainer's policy; fix the engine (or the trajectory file), or set "
                 "grpo.rollout_correction.mode: off to train without the correction"
             )
-        totals = BatchTotals.of(loss_mask)  # fixed before the micro-batch loop: the split cannot change the loss
+        totals = dd.reduce_totals(BatchTotals.of(loss_mask))  # the global batch's, fixed before the micro-batch loop
         ids, attn = batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
         Tc = batch["completion_len"]
         micro = _micro_slices(len(completions), cfg.optim.gradient_accumulation_steps)
         temp = cfg.rollout.temperature
-        self.num_tokens += sum(len(c.prompt_ids) + len(c.token_ids) for c in completions)
+        self.num_tokens += int(dd.sum_scalar(sum(len(c.prompt_ids) + len(c.token_ids) for c in completions)))
 
         # 6. reference logprobs
         ref_lp = None
@@ -311,26 +349,27 @@ class GRPOTrainer:
         per_update: list[dict[str, float]] = []
         for it in range(g.num_iterations):
             loss_sum, terms = 0.0, []
-            for s in micro:
-                lp, ent = self._logprobs(self.model, ids[s], attn[s], Tc, temp, with_entropy=(it == 0))
-                if it == 0:
-                    old_lp[s], entropy[s] = lp.detach().float(), ent.detach().float()
-                    weight[s] = rollout_correction(old_lp[s], engine_lp[s], loss_mask[s], correction).weight
-                loss, part = grpo_loss(
-                    lp,
-                    old_lp[s],
-                    adv_t[s],
-                    loss_mask[s],
-                    g,
-                    correction=weight[s],
-                    totals=totals,
-                    ref_logprobs=None if ref_lp is None else ref_lp[s],
-                    max_completion_length=cfg.rollout.max_tokens,
-                )
-                loss.backward()  # this micro-batch's exact share of the whole batch's loss
+            for k, s in enumerate(micro):
+                with dd.accumulating(self.wrapped, last=k == len(micro) - 1):  # ranks' gradients summed once a step
+                    lp, ent = self._logprobs(self.model, ids[s], attn[s], Tc, temp, with_entropy=(it == 0))
+                    if it == 0:
+                        old_lp[s], entropy[s] = lp.detach().float(), ent.detach().float()
+                        weight[s] = rollout_correction(old_lp[s], engine_lp[s], loss_mask[s], correction).weight
+                    loss, part = grpo_loss(
+                        lp,
+                        old_lp[s],
+                        adv_t[s],
+                        loss_mask[s],
+                        g,
+                        correction=weight[s],
+                        totals=totals,
+                        ref_logprobs=None if ref_lp is None else ref_lp[s],
+                        max_completion_length=cfg.rollout.max_tokens,
+                    )
+                    loss.backward()  # this micro-batch's exact share of the global batch's loss
                 loss_sum += float(loss.detach())
                 terms.append(part)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.max_grad_norm)
+            grad_norm = dd.clip_grad_norm(self.params, cfg.optim.max_grad_norm)  # of the global gradient
             if not torch.isfinite(grad_norm):
                 raise TrainingError(
                     f"step {step}: gradient norm is {float(grad_norm)}; lower optim.learning_rate or check rewards "
@@ -338,9 +377,11 @@ class GRPOTrainer:
                 )
             per_update.append(
                 {
-                    "loss": loss_sum,
+                    "loss": dd.sum_scalar(loss_sum),
                     "grad_norm": float(grad_norm),
-                    **update_metrics(LossTerms.cat(terms), loss_mask, g.importance_sampling_level),
+                    **(dd.update_metrics if self.world.distributed else update_metrics)(
+                        LossTerms.cat(terms), loss_mask, g.importance_sampling_level
+                    ),
                 }
             )
             self.optimizer.step()
@@ -351,7 +392,7 @@ class GRPOTrainer:
         # 8. metrics (trainer/metrics.py says what each means)
         lengths = [len(c.token_ids) for c in completions]
         endings = [c.finish_reason for c in completions]
-        append_rows(
+        self._append_rows(
             self.out / SAMPLES_FILE,
             sample_rows(
                 step,
@@ -367,17 +408,25 @@ class GRPOTrainer:
             ),
         )
         m: dict[str, float] = {"step": step, "num_tokens": float(self.num_tokens)}
-        m.update(reward_metrics(total, parts, adv.frac_reward_zero_std, adv.frac_zero_std_groups))
+        if self.world.distributed:  # the lists of the global batch, for the metrics that read whole groups
+            completions, total = dd.gather(completions), dd.gather(total)
+            parts = {name: dd.gather(values) for name, values in parts.items()}
+            texts, lengths = [c.text for c in completions], [len(c.token_ids) for c in completions]
+        m.update(reward_metrics(total, parts, adv_all.frac_reward_zero_std, adv_all.frac_zero_std_groups))
         m.update(self.rewards.step_metrics)  # judge/* and other reward objects' metrics
         m.update(completion_metrics(lengths, [c.finish_reason for c in completions]))
         m.update(mean_over_updates(per_update))
-        m.update(entropy_metric(entropy, loss_mask))
         corr = rollout_correction(old_lp, engine_lp, loss_mask, correction)  # the whole batch's, as applied
-        m.update(sampling_metrics(old_lp, engine_lp, token_mask, loss_mask, corr, correction, staleness))
+        if self.world.distributed:  # sums and counts, mins and maxes over the global batch
+            mode, level = correction.mode, correction.level
+            m.update(dd.token_metrics(entropy, old_lp, engine_lp, token_mask, loss_mask, corr, mode, level, staleness))
+        else:
+            m.update(entropy_metric(entropy, loss_mask))
+            m.update(sampling_metrics(old_lp, engine_lp, token_mask, loss_mask, corr, correction, staleness))
         m.update(batch_health(texts, [c.token_ids for c in completions]))
         m.update(hacking_signals([c.token_ids for c in completions], total, g.num_generations))
         m.update(episode_metrics(completions))  # turns, tool calls and errors, budgets, drift (multi-turn episodes)
-        m["advantages/frac_masked"] = 1.0 - float(adv.loss_mask_seq.float().mean())
+        m["advantages/frac_masked"] = 1.0 - float(adv_all.loss_mask_seq.float().mean())
         m["learning_rate"] = self.scheduler.get_last_lr()[0]
         t_end = time.perf_counter()
         m["time/generate"] = sampled.generate_s
@@ -398,10 +447,12 @@ class GRPOTrainer:
 
     def evaluate(self, step: int = 0) -> dict[str, float]:
         """The held-out metrics; eval.log_samples of the completions go to eval_samples.jsonl, marked with `step`."""
-        metrics, rows = evaluate_with_samples(
-            self.model, self.tokenizer, self.eval_set, self.cfg.eval, self.rewards, self.cfg.data, step
-        )
-        append_rows(self.out / EVAL_SAMPLES_FILE, rows)
+        with dd.full_weights(self.wrapped):  # every rank evaluates the same held-out set the same way
+            metrics, rows = evaluate_with_samples(
+                self.model, self.tokenizer, self.eval_set, self.cfg.eval, self.rewards, self.cfg.data, step
+            )
+        if self.world.main:
+            append_rows(self.out / EVAL_SAMPLES_FILE, rows)
         return metrics
 
     # -------------------------------------------------------------------- the run
@@ -438,10 +489,11 @@ class GRPOTrainer:
         if not (self.step == 0 and self.cfg.eval.on_start and self.eval_set):
             return None
         eval_start = {"step": 0, **self.evaluate()}
-        with open(self.out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(eval_start) + "\n")
-        for cb in self.callbacks:
-            cb.on_step(0, eval_start)
+        if self.world.main:  # only rank 0 records
+            with open(self.out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(eval_start) + "\n")
+            for cb in self.callbacks:
+                cb.on_step(0, eval_start)
         return eval_start
 
     def record_step(
@@ -450,22 +502,41 @@ class GRPOTrainer:
         """After step `step` of `total`: log its metrics, ask the health gate and the callbacks whether to stop, and
         checkpoint when it is time (or the run stops). Returns (why it stops or None, the checkpoint saved or None)."""
         self.step = step
-        with open(self.out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(m) + "\n")
-        with open(self.out / "prompts.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "prompt_indices": self.last_prompt_indices}) + "\n")
-        for cb in self.callbacks:
-            cb.on_step(step, m)
-        stopped = self.gate.update(step, m)
-        for cb in self.callbacks:
-            stopped = stopped or cb.should_stop(step, m)
-        stopped = stopped or interrupted
+        stopped = self.gate.update(step, m)  # the same global metrics on every rank: the same answer
+        if self.world.main:  # only rank 0 records and asks the callbacks; its answer is every rank's
+            with open(self.out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(m) + "\n")
+            with open(self.out / "prompts.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "prompt_indices": self.last_prompt_indices}) + "\n")
+            for cb in self.callbacks:
+                cb.on_step(step, m)
+            for cb in self.callbacks:
+                stopped = stopped or cb.should_stop(step, m)
+        stopped = dd.broadcast(stopped or interrupted)
         saved = None
         if step % self.cfg.checkpoint.every == 0 or step == total or stopped:
             saved = self.save()
         return stopped, saved
 
     def save(self) -> Path:
+        if self.world.distributed:
+            return self._save_ranks()
+        return self._save(self.optimizer, self.model)
+
+    def _save_ranks(self) -> Path:
+        """Rank 0 writes the checkpoint one process writes, from the whole weights (FSDP2's gathered) and, for FSDP2,
+        the optimizer's whole state keyed by parameter name; every rank calls it and gets its path."""
+        from . import dist_checkpoint
+
+        model, optimizer = self.model, self.optimizer
+        if self.cfg.model.parallel == "fsdp2":
+            model = _SavedWith(self.model, dist_checkpoint.full_trainable_state(self.wrapped))
+            optimizer = _StateOf(dist_checkpoint.full_optimizer_state(self.wrapped, self.optimizer))
+        with dd.full_weights(self.wrapped):
+            path = self._save(optimizer, model) if self.world.main else None
+        return dd.broadcast(path)
+
+    def _save(self, optimizer, model) -> Path:
         in_flight = self.rollouts.state_dict()  # batches sampled ahead (max_off_policy_steps); the sampler is past them
         trainer_state = {
             "step": self.step,
@@ -488,9 +559,9 @@ class GRPOTrainer:
         checkpoint = ckpt.save_checkpoint(
             self.ckpt_root,
             self.step,
-            model=self.model,
+            model=model,
             tokenizer=self.tokenizer,
-            optimizer=self.optimizer,
+            optimizer=optimizer,
             scheduler=self.scheduler,
             trainer_state=trainer_state,
             manifest_extra=extra,
@@ -514,6 +585,13 @@ class GRPOTrainer:
     def close(self) -> None:
         self.rollouts.close()
         self.engine.close()
+        dd.close()
+
+    def _append_rows(self, path: Path, rows: list[dict]) -> None:
+        """Samples of the global batch, written by rank 0 in rank order."""
+        rows = dd.gather(rows)
+        if self.world.main:
+            append_rows(path, rows)
 
     # -------------------------------------------------------------------- helpers
     def _prompt(self, index: int) -> list[int]:
@@ -522,16 +600,16 @@ class GRPOTrainer:
         return self._prompt_cache[index]
 
     def _logprobs(self, model, ids, attn, completion_len, temperature, with_entropy=False):
-        lp, ent = completion_logprobs(
-            model,
-            ids,
-            attn,
-            completion_len,
+        options = dict(
             temperature=temperature,
             chunk_size=self.cfg.grpo.chunk_rows(self.device.type),
             with_entropy=with_entropy,
             packed=self.cfg.grpo.pack_sequences,
         )
+        if model is self.model:  # through the wrapper, whose forward DDP's and FSDP2's hooks see (distributed.py)
+            lp, ent = self.wrapped(ids, attn, completion_len, **options)
+        else:
+            lp, ent = completion_logprobs(model, ids, attn, completion_len, **options)
         return lp, (ent if ent is not None else torch.zeros_like(lp))
 
     def _ref_forward_model(self):
@@ -641,6 +719,30 @@ def _check_packing(model, device: torch.device) -> None:
             f"grpo.pack_sequences: {name} does not keep packed sequences apart (packed and padded logprobs "
             f"differ by {difference:.2g}, more than {tolerance:g}); set grpo.pack_sequences: false"
         )
+
+
+@dataclass
+class _StateOf:
+    """An optimizer's state already in hand (gathered on rank 0), saved as the optimizer's."""
+
+    state: dict
+
+    def state_dict(self) -> dict:
+        return self.state
+
+
+class _SavedWith:
+    """A sharded policy as trainer/checkpoint.py saves it: save_pretrained writes `state` (its whole trainable weights,
+    gathered), everything else is the policy's."""
+
+    def __init__(self, policy, state: dict):
+        self._policy, self._state = policy, state
+
+    def __getattr__(self, name):
+        return getattr(self._policy, name)
+
+    def save_pretrained(self, *args, **kwargs):
+        return self._policy.save_pretrained(*args, state_dict=self._state, **kwargs)
 
 
 def _micro_slices(n: int, parts: int) -> list[slice]:

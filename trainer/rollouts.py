@@ -34,6 +34,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 
+from . import distributed
 from .config import TrainerConfig
 from .data import PromptSampler
 from .engines.base import Completion, SamplingParams
@@ -136,10 +137,13 @@ class RolloutProducer:
         return self._request(step)
 
     def _request(self, step: int) -> tuple[list[int], list[list[int]], SamplingParams]:
-        indices = self.sampler.next_batch(self.prompts_per_step)
+        indices = self.sampler.next_batch(self.prompts_per_step)  # the global batch's, on every rank
+        world = distributed.world()
+        positions = distributed.shard_range(len(indices), world.rank, world.size)  # this rank's whole groups
+        indices = [indices[i] for i in positions]
         prompts = [self.prompt_ids(i) for i in indices]
         seed = rollout_seed(self.rollout.seed, step)
-        seeds = prompt_seeds(self.rollout.seed, step, range(len(indices)))
+        seeds = prompt_seeds(self.rollout.seed, step, positions)
         return indices, prompts, SamplingParams.from_rollout(self.rollout, n=self.group_size, seed=seed, seeds=seeds)
 
     def _start(self, step: int, version: int) -> None:
