@@ -387,8 +387,7 @@ def test_cli_rejects_unknown_spec_field_with_one_line_and_exit_2(tiny_model, tmp
     proc = cli("train", str(spec), "--set", "grpo.bta=0.1", "--output", str(tmp_path / "o"), check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
-        "error: --set grpo.bta=0.1: unknown field 'grpo.bta'; check the spelling against "
-        "the spec reference (ballast spec-schema)"
+        "error: --set grpo.bta=0.1: unknown field 'grpo.bta'; did you mean 'grpo.beta'?"
     )
 
 
