@@ -386,9 +386,7 @@ def test_cli_rejects_unknown_spec_field_with_one_line_and_exit_2(tiny_model, tmp
     spec = spec_file(tiny_model, tmp_path / "spec.yaml")
     proc = cli("train", str(spec), "--set", "grpo.bta=0.1", "--output", str(tmp_path / "o"), check=False)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == (
-        "error: --set grpo.bta=0.1: unknown field 'grpo.bta'; did you mean 'grpo.beta'?"
-    )
+    assert proc.stderr.strip() == ("error: --set grpo.bta=0.1: unknown field 'grpo.bta'; did you mean 'grpo.beta'?")
 
 
 def test_cli_rejects_invalid_value_naming_field(tiny_model, tmp_path):
@@ -583,3 +581,17 @@ def test_per_prompt_seeds_draw_the_same_tokens_in_the_static_cache_loop_and_in_g
     for a, b in zip(loop, with_generate):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
     assert hf._generators(None, torch.device("cpu")) is None
+
+
+def test_resume_accepts_a_checkpoint_written_before_a_field_existed_when_the_field_holds_its_default(tmp_path):
+    """A checkpoint from an older Ballast lacks the fields added since (here the loss variants' knobs); left at their
+    defaults they change nothing, so the resume goes on. A field that did change is still refused."""
+    from trainer.loop import _refuse_changed_config, _resumable_view
+
+    cfg = TrainerConfig.model_validate({"model": {"name_or_path": "m"}})
+    older = _resumable_view(cfg)
+    del older["grpo"]["cispo_max_ratio"], older["grpo"]["sapo_temperature_pos"]
+    _refuse_changed_config(older, _resumable_view(cfg), tmp_path)
+    changed = _resumable_view(cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"cispo_max_ratio": 9.0})}))
+    with pytest.raises(CheckpointError, match="grpo.cispo_max_ratio was 5.0 and is now 9.0"):
+        _refuse_changed_config(older, changed, tmp_path)

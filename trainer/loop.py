@@ -775,13 +775,22 @@ def _refuse_changed_config(saved: dict, now: dict, path: Path) -> None:
             return None
         return None if a == b else (prefix.rstrip("."), a, b)
 
-    diff = first_diff(saved, now)
+    diff = first_diff(_with_new_defaults(saved), now)
     if saved and diff:
         key, was, is_now = diff
         raise ckpt.CheckpointError(
             f"cannot resume from {path}: spec field {key} was {was!r} and is now {is_now!r}; "
             "resume with the spec the run started with (only optim.steps may change), or fork a new run"
         )
+
+
+def _with_new_defaults(saved: dict) -> dict:
+    """A checkpoint's config with the fields added to TrainerConfig since it was written set to their defaults
+    (a field a newer Ballast added, left at its default, changes nothing); as saved if it no longer validates."""
+    try:
+        return _resumable_view(TrainerConfig.model_validate(saved)) if saved else saved
+    except Exception:
+        return saved
 
 
 def check_resume(cfg: TrainerConfig, output_dir: str | Path) -> Path | None:
