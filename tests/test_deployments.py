@@ -127,7 +127,8 @@ def test_sweep_deployments_take_the_sweep_file_and_a_shared_study(deployed):
     deployments, _ = deployed
     sweep, worker = deployments["ballast-sweep"], deployments["ballast-sweep-worker"]
     assert sweep.parameters == {"sweep_path": "examples/sweep.yaml", "workers": 1} and sweep.schedules == []
-    assert {"sweep_path", "trials", "workers", "storage"} == set(sweep.parameter_openapi_schema["properties"])
+    properties = set(sweep.parameter_openapi_schema["properties"])
+    assert {"sweep_path", "trials", "workers", "storage", "overrides", "timeout_s"} == properties
     assert set(worker.parameter_openapi_schema["required"]) == {"study", "storage"}
 
 
