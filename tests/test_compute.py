@@ -37,7 +37,7 @@ def node_spec_dict(tiny_model, project: Path, **changes) -> dict:
         project_dir=str(project),
         optim={"steps": STEPS, "learning_rate": 3e-3},
         checkpoint={"every": 2, "keep_last": 10},
-        probe={"n": 2, "max_tokens": 16, "expected_length": 8},
+        probe={"n": 2, "max_tokens": 16, "expected_length": 8, "max_malformed_rate": 1.0},
         infra={"compute": "local", "max_restarts": 2},
         **changes,
     )
