@@ -10,6 +10,7 @@ that can be gamed (length alone, a format regex with a loophole), stopped by the
 import json
 import math
 import random
+import re
 
 import pytest
 
@@ -363,13 +364,15 @@ def test_a_run_paid_only_for_length_is_stopped_by_the_default_gate_naming_the_co
         checkpoint={"every": 100},
     )
     assert result.stopped is not None and result.last_step <= 8
-    assert result.stopped.startswith(
-        "collapsed: hacking/length_reward_corr=1 > 0.8 for 3 consecutive steps (reward hacking: within a prompt's "
-        "group the longer completions are paid more, so the reward pays length)"
+    corr, rest = re.fullmatch(r"collapsed: hacking/length_reward_corr=([0-9.]+) (.*)", result.stopped).groups()
+    assert float(corr) > 0.95  # the reward is the completion's length: near-perfect correlation inside each group
+    assert rest == (
+        "> 0.8 for 3 consecutive steps (reward hacking: within a prompt's group the longer completions are paid more, "
+        "so the reward pays length)"
     )
     assert result.last_checkpoint.name == f"step-{result.last_step:06d}"
     seen = [m["hacking/length_reward_corr"] for m in result.history if not math.isnan(m["hacking/length_reward_corr"])]
-    assert seen[-3:] == [pytest.approx(1.0)] * 3
+    assert seen[-3:] == [pytest.approx(1.0, abs=0.01)] * 3
 
 
 LOOPHOLE_RUN = dict(
