@@ -41,12 +41,12 @@ def cmd_run(args) -> int:
         args.resume, spec_path = _spec_file_of_run(args.resume, args.spec, args.project_dir)
         spec, overrides = str(spec_path), []
         resumed = load_spec(spec_path)
+        _refuse_changed_resume(args, resumed)  # a changed spec or a corrupt checkpoint is refused even after the end
+        _check_resume(resumed, spec_path.parent)
         finished = _finished(resumed, args.resume)
         if finished:
             print(finished)
             return 0
-        _refuse_changed_resume(args, resumed)
-        _check_resume(resumed, spec_path.parent)
         check_runnable(resumed)
         project_dir = resumed.project_dir
     elif args.spec:
