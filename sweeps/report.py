@@ -478,5 +478,5 @@ def format_value(v) -> str:
 
 
 def format_values(values: dict | None) -> str:
-    """'grpo.beta=0.01235, lora.r=8': a trial's params or values as a person reads them (no dict repr)."""
+    """'grpo.beta=0.0123, lora.r=8': a trial's params or values as a person reads them (no dict repr)."""
     return ", ".join(f"{k}={format_value(v)}" for k, v in (values or {}).items())

@@ -86,5 +86,5 @@ def test_a_commit_links_to_its_code_host(remote, url):
 def test_a_sweep_trial_reads_as_names_and_rounded_values_not_a_dict():
     from sweeps.report import format_values
 
-    assert format_values({"grpo.beta": 0.0123456789, "lora.r": 8}) == "grpo.beta=0.01235, lora.r=8"
+    assert format_values({"grpo.beta": 0.0123456789, "lora.r": 8}) == "grpo.beta=0.0123, lora.r=8"
     assert format_values(None) == ""
