@@ -49,9 +49,10 @@ def git(repo: Path, *args: str) -> str:
 def inject_defect(checkpoint_py: Path) -> None:
     """After the line that saves the adapter, scale what was saved."""
     source = checkpoint_py.read_text()
-    anchor = re.search(r"^( *)model\.save_pretrained\(tmp / .*$", source, re.MULTILINE)
+    anchor = re.search(r"^( *)model\.save_pretrained\(tmp / weights.*$", source, re.MULTILINE)
     assert anchor, (
-        "trainer/checkpoint.py no longer saves with `model.save_pretrained(tmp / ...)`; update the defect injection"
+        "trainer/checkpoint.py no longer saves with `model.save_pretrained(tmp / weights, ...)`; update the defect "
+        "injection"
     )
     line = f"\n{anchor.group(1)}_injected_defect_scale_lora_b(tmp, 16.0)"
     checkpoint_py.write_text(source[: anchor.end()] + line + source[anchor.end() :] + DEFECT)
