@@ -175,6 +175,7 @@ class Tracking:
             r.info.run_id: r.info.run_name
             for name_filter in (f"attributes.run_name = '{quoted}'", f"attributes.run_name LIKE '%-{quoted}'")
             for r in self.client.search_runs([self.experiment_id], name_filter, max_results=10)
+            if " · " not in (r.info.run_name or "")  # a stage's run ("train · quickstart-7967ed74") is not the run
         }
         if len(found) == 1:
             return next(iter(found))
