@@ -416,7 +416,7 @@ def _slice(rows: list[dict], sweep: SweepSpec, key: str, base) -> plt.Figure:
         with_p = [r for r in rows if name in r["params"]]
         if spec.type == "categorical":
             choices = [str(c) for c in spec.choices]
-            _scatter_by_kind(ax, with_p, lambda r, c=choices, n=name: c.index(str(r["params"][n])))
+            _scatter_by_kind(ax, with_p, lambda r, c=spec.choices, n=name: _choice_index(c, r["params"][n]))
             ax.set_xticks(range(len(choices)), choices)
         else:
             _scatter_by_kind(ax, with_p, lambda r, n=name: r["params"][n])
@@ -480,3 +480,9 @@ def format_value(v) -> str:
 def format_values(values: dict | None) -> str:
     """'grpo.beta=0.0123, lora.r=8': a trial's params or values as a person reads them (no dict repr)."""
     return ", ".join(f"{k}={format_value(v)}" for k, v in (values or {}).items())
+
+
+def _choice_index(choices: list, value) -> int:
+    """Where a trial's categorical value sits on the axis: its choice (by value, or as written), else past the end (a
+    value the study's older definition allowed)."""
+    return next((i for i, c in enumerate(choices) if c == value or str(c) == str(value)), len(choices))
