@@ -444,6 +444,8 @@ def test_quickstart_raises_reward_and_held_out_accuracy_and_the_gate_lets_it_fin
         "eval/reward",
         "eval/accuracy",
         "eval/mean_length",
+        "eval/reward_stderr",
+        "eval/accuracy_stderr",
     }
     assert result.history[-1]["eval/accuracy"] > result.eval_start["eval/accuracy"] + 0.1
 
