@@ -131,7 +131,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def embedded() -> bool:
     """True when Prefect's API is the embedded server under the project folder (none given by the user)."""
-    return bool(os.environ.get(EMBEDDED)) and os.environ.get("PREFECT_API_URL") == os.environ.get(EMBEDDED)
+    if not os.environ.get(EMBEDDED):
+        return False
+    api_url = os.environ.get("PREFECT_API_URL")
+    if "prefect.settings" in sys.modules:  # the active setting: a test harness or temporary_settings can override env
+        api_url = sys.modules["prefect.settings"].PREFECT_API_URL.value()
+    return api_url == os.environ[EMBEDDED]
 
 
 def wait_until_started(timeout: float = STARTUP_TIMEOUT_S) -> None:
