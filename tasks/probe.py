@@ -52,7 +52,7 @@ from tasks.probe_report import CI_LEVEL, Baseline, Check, ProbeReport, ProbeSamp
 from tasks.spec import ProbeConfig
 from trainer.checkpoint import Checkpoint, CheckpointError
 from trainer.config import DataConfig, LoraConfig, ModelConfig, RewardConfig
-from trainer.data import load_datasets, render_prompt
+from trainer.data import jsonl_rows, load_datasets, render_prompt
 from trainer.engines.base import SamplingParams
 from trainer.engines.hf import HFEngine
 from trainer.health import REASONS, classify, reason_code
@@ -82,31 +82,20 @@ def load_probe_prompts(path: str | Path) -> list[dict]:
             ".jsonl or .txt file, or leave it unset for the experiment's held-out prompts"
         )
     prompts: list[dict] = []
-    lines = path.read_text(encoding="utf-8").splitlines()
     if path.suffix == ".txt":
+        lines = path.read_text(encoding="utf-8").splitlines()
         prompts = [{"prompt": line.rstrip("\n")} for line in lines if line.strip()]
     elif path.suffix == ".jsonl":
-        for lineno, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(
-                    f"{path}:{lineno}: not valid JSON ({e}); each line must be an object with a 'prompt'"
-                ) from None
+        for where, row in jsonl_rows(path, "an object with a 'prompt'"):
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
-                raise ValueError(f"{path}:{lineno}: each line must be a JSON object with a non-empty 'prompt' string")
+                raise ValueError(f"{where}: each line must be a JSON object with a non-empty 'prompt' string")
             unknown = set(row) - {"prompt", "answer", "expected_length"}
             if unknown:
-                raise ValueError(
-                    f"{path}:{lineno}: unknown field(s) {sorted(unknown)}; allowed: prompt, answer, expected_length"
-                )
+                allowed = "prompt, answer, expected_length"
+                raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}; allowed: {allowed}")
             expected = row.get("expected_length")
             if expected is not None and (not isinstance(expected, int) or expected < 1):
-                raise ValueError(
-                    f"{path}:{lineno}: expected_length must be a positive integer (characters), got {expected!r}"
-                )
+                raise ValueError(f"{where}: expected_length must be a positive integer (characters), got {expected!r}")
             prompts.append({"prompt": row["prompt"], "answer": row.get("answer"), "expected_length": expected})
     else:
         raise ValueError(f"probe prompts file {path} must be .jsonl or .txt")

@@ -8,6 +8,7 @@ pytest processes share the build. It is loaded through from_pretrained like any 
 import fcntl
 import hashlib
 import json
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
@@ -101,6 +102,49 @@ INTEGRATION_MODULES = {
     "test_terminal",
     "test_resume_records",
 }
+
+
+# ── a chat template with tools (tests/test_offline.py, tests/test_environment.py) ───────────────────
+
+# The tiny model's template has no tool role; this one does, and writes a newline after each assistant turn's end
+# token, which is not sampled: it must come in as an inserted token.
+TOOL_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}Tools: {{ tools | map(attribute='function') | map(attribute='name') | join(', ') }}\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }}\n"
+    "{% elif message['role'] == 'user' %}<|user|>{{ message['content'] }}"
+    "{% elif message['role'] == 'tool' %}<|user|>[tool] {{ message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}<|assistant|>{{ message['content'] }}"
+    "{% if message['tool_calls'] is defined %}{% for call in message['tool_calls'] %}"
+    "<call>{{ call['function']['name'] }}({{ call['function']['arguments'] }})</call>{% endfor %}{% endif %}"
+    "{{ eos_token }}\n"
+    "{% else %}{{ raise_exception('unknown role ' + message['role']) }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tool_model(tiny_model, tmp_path_factory):
+    """The tiny model with TOOL_TEMPLATE as its chat template."""
+    return model_with_template(tiny_model, tmp_path_factory.mktemp("tool-model") / "model", TOOL_TEMPLATE)
+
+
+def model_with_template(model: Path, path: Path, template: str) -> Path:
+    """A copy of `model` at `path` with `template` as its chat template."""
+    shutil.copytree(model, path)
+    set_chat_template(path, template)
+    return path
+
+
+def set_chat_template(path: Path, template: str) -> None:
+    """Where transformers reads it from: chat_template.jinja when there is one (transformers 5), else the config."""
+    if (path / "chat_template.jinja").is_file():
+        (path / "chat_template.jinja").write_text(template)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,15 +10,13 @@ runner are driven by `Scripted`, an engine that samples nothing and serves the t
 
 import json
 import math
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import tiny_spec
-from tests.test_offline import TOOL_TEMPLATE, set_chat_template
+from tests.conftest import TOOL_TEMPLATE, model_with_template, tiny_spec
 from trainer.engines.base import Completion, SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
@@ -144,19 +142,8 @@ def test_ballast_validate_refuses_a_tool_without_type_hints_with_exit_2(tmp_path
 # ── episodes on the tiny model ────────────────────────────────────────────────────────────────────
 
 
-@pytest.fixture(scope="module")
-def tool_model(tiny_model, tmp_path_factory):
-    path = tmp_path_factory.mktemp("env-model") / "model"
-    shutil.copytree(tiny_model, path)
-    set_chat_template(path, TOOL_TEMPLATE)
-    return path
-
-
 def with_template(tool_model, tmp_path, template: str) -> Path:
-    path = tmp_path / "model"
-    shutil.copytree(tool_model, path)
-    set_chat_template(path, template)
-    return path
+    return model_with_template(tool_model, tmp_path / "model", template)
 
 
 @pytest.fixture(scope="module")

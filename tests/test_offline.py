@@ -4,7 +4,6 @@ on a trajectory file uses them as its old policy."""
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
@@ -205,43 +204,9 @@ def test_offline_needs_a_trajectory_file_as_data_source():
 # ── multi-turn episodes: ART trajectories and OpenAI chat logs with tool calls ─────────────────────
 
 EPISODES = Path(__file__).parent / "offline_episodes.jsonl"
-# The tiny model's template has no tool role; this one does, and writes a newline after each assistant turn's end
-# token, which is not sampled: it must come in as an inserted token. tests/offline_episodes.jsonl was tokenised
-# with it (two prompts, two episodes each: ART Choices with logprob tokens as 'token_id:N' and as strings, ART
-# Choices with vLLM's token_ids and prompt_token_ids, OpenAI chat logs with a tool call and with a user follow-up).
-TOOL_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% if tools %}Tools: {{ tools | map(attribute='function') | map(attribute='name') | join(', ') }}\n{% endif %}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}{{ message['content'] }}\n"
-    "{% elif message['role'] == 'user' %}<|user|>{{ message['content'] }}"
-    "{% elif message['role'] == 'tool' %}<|user|>[tool] {{ message['content'] }}"
-    "{% elif message['role'] == 'assistant' %}<|assistant|>{{ message['content'] }}"
-    "{% if message['tool_calls'] is defined %}{% for call in message['tool_calls'] %}"
-    "<call>{{ call['function']['name'] }}({{ call['function']['arguments'] }})</call>{% endfor %}{% endif %}"
-    "{{ eos_token }}\n"
-    "{% else %}{{ raise_exception('unknown role ' + message['role']) }}{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-
-
-@pytest.fixture(scope="module")
-def tool_model(tiny_model, tmp_path_factory):
-    """The tiny model with TOOL_TEMPLATE as its chat template."""
-    path = tmp_path_factory.mktemp("tool-model") / "model"
-    shutil.copytree(tiny_model, path)
-    set_chat_template(path, TOOL_TEMPLATE)
-    return path
-
-
-def set_chat_template(path: Path, template: str) -> None:
-    """Where transformers reads it from: chat_template.jinja when there is one (transformers 5), else the config."""
-    if (path / "chat_template.jinja").is_file():
-        (path / "chat_template.jinja").write_text(template)
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    config["chat_template"] = template
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
+# tests/offline_episodes.jsonl was tokenised with conftest.TOOL_TEMPLATE (two prompts, two episodes each: ART
+# Choices with logprob tokens as 'token_id:N' and as strings, ART Choices with vLLM's token_ids and prompt_token_ids,
+# OpenAI chat logs with a tool call and with a user follow-up).
 
 
 def episodes_engine(tool_model, path=EPISODES):

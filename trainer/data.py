@@ -41,7 +41,7 @@ import hashlib
 import json
 import numbers
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -231,23 +231,23 @@ def _examples(rows: Iterable[tuple[str, object]], path: Path, field: str) -> lis
     return examples
 
 
+def jsonl_rows(path: Path, shape: str) -> Iterator[tuple[str, object]]:
+    """("file:line", parsed JSON) for each non-blank line of a .jsonl file; a line that is not JSON fails with
+    file:line and `shape`, what each line must be."""
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno} is not JSON ({e}); each line must be {shape}") from None
+        yield f"{path}:{lineno}", row
+
+
 def read_jsonl(path: str | Path, field: str = "data.source") -> list[Example]:
     """Examples of a .jsonl file; a line that is not a row (see the module docstring) fails with file:line."""
     path = _existing(path, field)
-
-    def rows():
-        for lineno, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(
-                    f"{path}:{lineno} is not JSON ({e}); each line must be one object like {ROW_EXAMPLE}"
-                ) from None
-            yield f"{path}:{lineno}", row
-
-    return _examples(rows(), path, field)
+    return _examples(jsonl_rows(path, f"one object like {ROW_EXAMPLE}"), path, field)
 
 
 def read_parquet(path: str | Path, field: str = "data.source") -> list[Example]:
