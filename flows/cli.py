@@ -73,7 +73,8 @@ def _pipeline_commands(command) -> None:
     p = command(
         "validate",
         "check a spec as `ballast run` would — spec, data, rewards (user functions called once), model, device — "
-        "in seconds, without torch or running anything (exit 0; 2 with the problem in one line)",
+        "in seconds, without torch or running anything (exit 0; 2 with the problem in one line); given a sweep "
+        "file, the sweep as `ballast sweep` would check it before its first trial",
     )
     _spec(p)
 

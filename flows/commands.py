@@ -153,10 +153,43 @@ def cmd_validate(args) -> int:
     source is checked too, which imports torch and reads the tracking store."""
     from tasks.spec import check_runnable, load_spec
 
+    if _is_sweep_file(args.spec):
+        return _validate_sweep(args.spec, args.set)
     spec = load_spec(args.spec, args.set)
     check_runnable(spec)
     _check_fork(spec)
     return _validated(spec, args.spec)
+
+
+def _is_sweep_file(path: str) -> bool:
+    """A YAML mapping with a `space:` and no `model:`: a sweep file (examples/sweep.yaml), not an experiment."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False  # load_spec says what is wrong with it
+    return isinstance(data, dict) and "space" in data and "model" not in data
+
+
+def _validate_sweep(path: str, sets: list[str]) -> int:
+    """`ballast validate SWEEP.yaml`: what `ballast sweep` would refuse before its first trial — the sweep file, its
+    space against the spec, and its base spec (with overrides and --set) as `ballast run` would check it."""
+    from sweeps.space import load_sweep, trial_spec
+    from tasks.spec import check_runnable, describe_run
+
+    sweep = load_sweep(path, sets)
+    spec = trial_spec(sweep, {})
+    check_runnable(spec)
+    _check_fork(spec)
+    space = ", ".join(f"{k}{' (log)' if p.log else ''}" for k, p in sweep.space.items())
+    objectives = ", ".join(f"{o.direction} {o.metric}" for o in sweep.objectives)
+    print(f"{path}: valid sweep — the sweep file, its space and its base spec checked; nothing was run")
+    print(f"  study     {sweep.study}: {sweep.trials} trials, {objectives}, against the base model's score")
+    print(f"  space     {space}")
+    for line in describe_run(spec):
+        print(f"  {line}")
+    return 0
 
 
 def _validated(spec: ExperimentSpec, path: str) -> int:

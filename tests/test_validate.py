@@ -139,3 +139,27 @@ def test_a_warning_is_one_line_without_the_source_line_under_it(tmp_path):
         "eval/reward is the held-out score. Add one, or set eval.reward"
     ]
     assert "eval/accuracy reads none (eval/reward is the score)" in out
+
+
+@pytest.mark.parametrize("sweep", ["sweep.yaml", "sweep-smollm2.yaml"])
+def test_a_sweep_file_is_validated_as_a_sweep_its_space_and_its_base_spec(sweep):
+    rc, imported, out, err = ballast("validate", f"examples/{sweep}")
+    assert (rc, imported, err) == (0, [], [])
+    lines = out.splitlines()
+    assert (
+        lines[0]
+        == f"examples/{sweep}: valid sweep — the sweep file, its space and its base spec checked; nothing was run"
+    )
+    assert lines[2] == "  space     grpo.beta (log), optim.learning_rate (log), lora.r, rollout.repetition_penalty"
+    assert "eval/accuracy reads" in out
+
+
+def test_a_sweep_whose_space_names_no_spec_field_is_refused_with_one_line(tmp_path):
+    sweep = yaml.safe_load((REPO / "examples" / "sweep.yaml").read_text())
+    sweep["base"] = str(REPO / "examples" / "quickstart.yaml")
+    sweep["space"]["optim.learning_rat"] = sweep["space"].pop("optim.learning_rate")
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    rc, imported, out, err = ballast("validate", path)
+    assert (rc, imported, out, len(err)) == (2, [], "", 1), err
+    assert err[0].startswith(f"error: {path}: field 'space.optim.learning_rat'")
