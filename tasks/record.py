@@ -544,8 +544,10 @@ class RunRecorder:
             if not in_training:
                 for k, v in headline(result.metrics).items():
                     self.client.log_metric(self.run_id, k, v, step=result.step)
-            self._log_samples(sid, result.samples, EVAL_SAMPLES_TABLE)
-            append_rows(self.output_dir / EVAL_SAMPLES_FILE, result.samples)  # the run directory has them too
+            written = [r for r in read_rows(self.output_dir / EVAL_SAMPLES_FILE) if r.get("step") == result.step]
+            if not all(row in written for row in result.samples):  # a resume that repeats the final eval: once
+                self._log_samples(sid, result.samples, EVAL_SAMPLES_TABLE)
+                append_rows(self.output_dir / EVAL_SAMPLES_FILE, result.samples)  # the run directory has them too
         else:
             raise TypeError(f"no recorder for a {type(result).__name__}")
 

@@ -215,3 +215,7 @@ def test_the_final_eval_stage_writes_its_rows_to_the_run_directory_too(tiny_mode
         run.record(EvalResult("file:///checkpoint", 4, {"eval/reward": 0.0}, final))
     assert read_rows(run.output_dir / EVAL_SAMPLES_FILE) == [in_training, *final]
     assert logged_rows(tracking, run.run_id, EVAL_SAMPLES_TABLE) == final
+    with run.stage("eval"):  # a resume that runs the final eval again (killed before the run was marked ended)
+        run.record(EvalResult("file:///checkpoint", 4, {"eval/reward": 0.0}, final))
+    assert read_rows(run.output_dir / EVAL_SAMPLES_FILE) == [in_training, *final]
+    assert logged_rows(tracking, run.run_id, EVAL_SAMPLES_TABLE) == final
