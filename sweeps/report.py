@@ -15,6 +15,10 @@ tasks/record.py logs it to the sweep's MLflow parent run; its page is tasks/temp
   log axes for log-scaled parameters, the baseline (and its 95 % band) on every score axis — the intermediate
   values each trial reported, and Optuna's Pareto front for two objectives. A plot not drawn is listed under
   `plots_skipped` with the reason.
+- **What the compute cost** (`ComputeTotal`): the trials' wall time, always; and the provisioned nodes — a sweep's
+  worker nodes (`ballast sweep --workers K` with `infra.compute` local or skypilot, kept on the study) or each
+  trial's own train-stage node (its MLflow `compute/*`, kept on the trial) — summed: provision and run seconds,
+  restarts and the estimated cost of the nodes SkyPilot's catalog priced ("price unknown" for the others).
 """
 
 from __future__ import annotations
@@ -38,10 +42,85 @@ from tasks.pages import render_page  # noqa: E402
 
 from .baseline import Z95, load_baseline  # noqa: E402
 from .space import SweepSpec  # noqa: E402
+from .study import COMPUTE_ATTR, NODE_ATTR  # noqa: E402
 
 MIN_COMPLETE = 2  # completed trials a comparison plot needs
 MIN_IMPORTANCE_TRIALS = 8  # completed trials before importances are computed (fANOVA over fewer apportions noise)
 COLOURS = {"COMPLETE": "#0969da", "collapsed": "#cf222e", "pruned": "#bc4c00", "FAIL": "#6e7781"}
+
+
+NODE_FIELDS = dict.fromkeys(("name", "compute", "node", "accelerators", "cloud", "region", "hourly_usd", "cost_usd"))
+NODE_FIELDS |= {"spot": False, "provision_s": 0.0, "run_s": 0.0, "restarts": 0, "torn_down": True}
+
+
+@dataclass
+class ComputeTotal:
+    """What the sweep's compute cost, summed over its trials and the nodes provisioned for it."""
+
+    trial_s: float = 0.0  # wall time of every trial that ended, summed
+    nodes: list[dict] = field(default_factory=list)  # each node's usage: name, compute, provision_s, run_s, ...
+    provision_s: float = 0.0
+    run_s: float = 0.0
+    restarts: int = 0
+    cost_usd: float | None = None  # the sum of the nodes' estimated costs that are known
+    unpriced: int = 0  # nodes with no hourly price (this machine, or SkyPilot's catalog not here)
+    not_torn_down: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, nodes: list[dict], trial_s: float) -> ComputeTotal:
+        nodes = [{**NODE_FIELDS, **n} for n in nodes]
+        costs = [float(n["cost_usd"]) for n in nodes if n["cost_usd"] is not None]
+        return cls(
+            trial_s=trial_s,
+            nodes=nodes,
+            provision_s=sum(float(n["provision_s"]) for n in nodes),
+            run_s=sum(float(n["run_s"]) for n in nodes),
+            restarts=sum(int(n["restarts"]) for n in nodes),
+            cost_usd=sum(costs) if costs else None,
+            unpriced=len(nodes) - len(costs),
+            not_torn_down=[str(n["name"]) for n in nodes if not n["torn_down"]],
+        )
+
+    def cost_text(self) -> str:
+        if self.cost_usd is None:
+            return "price unknown"
+        if self.unpriced:
+            return f"~${self.cost_usd:.2f} for the priced nodes, price unknown for {self.unpriced}"
+        return f"~${self.cost_usd:.2f}"
+
+    def line(self) -> str:
+        """'compute: trials ran 5.2 min in all; 2 nodes provisioned in 3 s, ran 301 s, 0 restarts, ~$1.20'."""
+        head = f"compute: trials ran {self.trial_s / 60:.1f} min in all"
+        if not self.nodes:
+            return head
+        n = len(self.nodes)
+        line = (
+            f"{head}; {n} node{'s' * (n != 1)} provisioned in {self.provision_s:.0f} s, ran {self.run_s:.0f} s, "
+            f"{self.restarts} restart{'s' * (self.restarts != 1)}, {self.cost_text()}"
+        )
+        if self.not_torn_down:
+            line += f"; NOT torn down: {', '.join(self.not_torn_down)} (tear it down by hand)"
+        return line
+
+    def metrics(self) -> dict[str, float]:
+        """The sweep parent run's `compute/*` metrics (a pipeline run's are its node's: infra/compute.py Usage)."""
+        out = {"compute/trial_s": self.trial_s, "compute/nodes": float(len(self.nodes))}
+        if self.nodes:
+            out.update({"compute/provision_s": self.provision_s, "compute/run_s": self.run_s})
+            out["compute/restarts"] = float(self.restarts)
+        if self.cost_usd is not None:
+            out["compute/cost_usd"] = self.cost_usd
+        return out
+
+
+def compute_total(study: optuna.Study, trials: list) -> ComputeTotal:
+    """The worker nodes kept on the study and the trials' own nodes, with the trials' wall time."""
+    nodes = [json.loads(v) for k, v in sorted(study.user_attrs.items()) if k.startswith(NODE_ATTR)]
+    for t in trials:
+        if isinstance(t.user_attrs.get(COMPUTE_ATTR), dict):
+            nodes.append({"name": f"trial {t.number}", **t.user_attrs[COMPUTE_ATTR]})
+    ended = [t for t in trials if t.datetime_complete and t.datetime_start]
+    return ComputeTotal.of(nodes, sum((t.datetime_complete - t.datetime_start).total_seconds() for t in ended))
 
 
 @dataclass
@@ -72,6 +151,7 @@ class SweepSummary:
     steps_saved: int = 0  # planned_steps - trial_steps: what pruning saved
     min_importance_trials: int = MIN_IMPORTANCE_TRIALS
     timed_out: bool = False  # the --timeout budget ended the sweep
+    compute: ComputeTotal = field(default_factory=ComputeTotal)  # trial wall time; provisioned nodes summed
 
     @property
     def n_complete(self) -> int:
@@ -144,6 +224,7 @@ class SweepSummary:
         if not self.n_complete:
             out.append("no trial completed: every trial was pruned or failed — read the prune reasons in the summary")
         out.append(self.pruning_line())
+        out.append(self.compute.line())
         out += [f"summary:     {self.html}", f"dashboard:   {self.dashboard}"]
         return out
 
@@ -205,6 +286,7 @@ def summarize(study: optuna.Study, sweep: SweepSpec) -> SweepSummary:
         baseline={"source": baseline.source, "metrics": baseline.metrics} if baseline else None,
         planned_steps=planned,
         steps_saved=planned - ran,
+        compute=compute_total(study, trials),
     )
     if len(sweep.objectives) == 1:
         if complete and "gain" in study.best_trial.user_attrs:  # relative: only a trial beyond noise is "best"

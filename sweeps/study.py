@@ -7,7 +7,10 @@ How a sweep grows past one process, with nothing home-made but the loop's stoppi
   many nodes. Every worker opens the same study by name; the sweep definition (base spec, space,
   objectives, ...) is stored in the study's user attributes, so a worker needs only the storage URL
   and the study name. Re-running a sweep file against an existing study resumes it; a changed
-  definition (space, objectives, base spec) is refused — start a new study instead.
+  definition (space, objectives, base spec) is refused — start a new study instead. Workers on
+  provisioned nodes (flows/sweep.py) need a storage those nodes reach: for SkyPilot nodes a database
+  server on the network, never SQLite or a loopback address (`check_worker_placement`, before anything
+  is provisioned).
 - **How many trials.** `n_trials` is the study's total of COMPLETE + PRUNED trials, not a per-worker
   quota. A worker runs `study.optimize` until Optuna's `MaxTrialsCallback`, counting done + running
   trials, finds no room for another; then done → stop; else wait for the running ones (another worker
@@ -53,6 +56,9 @@ SWEEP_ATTR = "ballast.sweep"  # study user attr: the sweep definition (JSON)
 TRIALS_ATTR = "ballast.n_trials"  # study user attr: the total the study should end with
 SQLITE_TIMEOUT_S = 60  # how long a SQLite writer waits for another process's lock
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"  # trial user attr `worker`: who ran it
+NODE_ATTR = "ballast.node."  # study user attrs `ballast.node.<when>.<worker>`: a worker node's usage (JSON)
+COMPUTE_ATTR = "compute"  # trial user attr: what the trial's own train-stage node used (its MLflow compute/*)
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 @contextmanager
@@ -67,6 +73,38 @@ def default_storage(project_dir: str | Path) -> str:
     db = Path(project_dir).resolve() / "optuna.db"
     db.parent.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{db}"
+
+
+def study_storage(sweep: SweepSpec, storage: str | None) -> str:
+    """The study's storage URL: --storage, else the sweep file's, else SQLite under the base spec's project folder."""
+    from .space import base_spec
+
+    return storage or sweep.storage or default_storage(base_spec(sweep).get("project_dir", ".ballast"))
+
+
+def check_worker_placement(spec, storage_url: str | None) -> None:
+    """What sweep workers on provisioned nodes (`spec.infra.compute` local or skypilot) could not use, refused before
+    anything is provisioned: ComputeError, one line. The base spec's own placement as `ballast run` checks it, and a
+    study storage the nodes reach (None: the default SQLite file) — any for `local` (this machine), a database
+    server on the network for `skypilot`."""
+    from infra.compute import ComputeError, urlhost
+    from tasks.remote import check_compute
+
+    check_compute(spec)
+    if spec.infra.compute != "skypilot":
+        return
+    storage_url = storage_url or "sqlite:///(the project folder's optuna.db)"
+    shown = redact_url(storage_url)
+    if storage_url.startswith("sqlite"):
+        raise ComputeError(
+            f"infra.compute: skypilot with study storage {shown}: a worker node cannot reach a SQLite file on this "
+            "machine; give --storage postgresql://user@host/db, a database server the nodes reach"
+        )
+    if urlhost(storage_url) in LOOPBACK:
+        raise ComputeError(
+            f"study storage {shown} names this machine's loopback address, which a worker node cannot reach; give "
+            "the database server's address on the network"
+        )
 
 
 def redact_url(url: str) -> str:
