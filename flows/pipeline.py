@@ -10,6 +10,11 @@ sweeps pass (a spec mapping, trainer callbacks, tags, no terminal); `run_experim
 whose signature is the Prefect Run form — a spec path, "key.path=value" overrides and a run to resume, each
 described — so nothing internal shows there, and a spec error names `overrides`, not the CLI's `--set`.
 
+Where the GPU stages run is a parameter, `infra.compute`: `here` runs every stage in the flow's process; with
+`local` or `skypilot` a provision stage comes first and a teardown stage last (always), and train, artifact-probe
+and eval run on the node through the store (tasks/remote.py), each coming back as the result a local stage returns
+— the choice sits in `train_stage`, `probe_stage` and `eval_stage`, not in the sequence.
+
 The stages are plain functions in tasks/ that return typed results; the recorder (tasks/record.py) turns them
 into MLflow records and the view (flows/view.py) into lines for the terminal and Prefect; the flow tells each.
 The flow run is named for the MLflow run once it exists (`<spec>-<run id[:8]>`), and `<spec>-failed` when the run
@@ -41,7 +46,16 @@ from tasks.fork import fork
 from tasks.metrics_sink import TrackingUnavailable
 from tasks.probe import probe_checkpoint
 from tasks.record import RunRecorder, StageError, Tracking, store_uri
-from tasks.remote import NodeChoice, check_compute, open_compute, record_usage, train_on_node
+from tasks.remote import (
+    Node,
+    NodeChoice,
+    check_compute,
+    eval_on_node,
+    open_compute,
+    probe_on_node,
+    record_usage,
+    train_on_node,
+)
 from tasks.spec import ExperimentSpec, SpecError, load_spec
 from tasks.summary import PipelineResult
 from tasks.train import RunInterrupted, run_training
@@ -54,6 +68,8 @@ probe_task = task(probe_checkpoint, name="artifact-probe", **NO_RESULT)
 eval_task = task(eval_checkpoint, name="eval", **NO_RESULT)
 provision_task = task(lambda compute: compute.provision(), name="provision", **NO_RESULT)
 node_train_task = task(train_on_node, name="train", **NO_RESULT)
+node_probe_task = task(probe_on_node, name="artifact-probe", **NO_RESULT)
+node_eval_task = task(eval_on_node, name="eval", **NO_RESULT)
 teardown_task = task(lambda compute: compute.teardown(), name="teardown", **NO_RESULT)
 FLOW = dict(name="ballast-pipeline", flow_run_name=starting_name, persist_result=False, log_prints=True)
 
@@ -128,14 +144,14 @@ def run_stages(
         raise
     view.opened(run.name, run.url, spec.name)
     watch = Watch(run, view)
-    compute, command = None, None  # infra.compute: here trains in this process; local or skypilot on a node
+    node = None  # infra.compute: here runs every stage in this process; local or skypilot, the GPU stages on a node
     try:
         if spec.infra.compute != "here":
-            compute, command = open_compute(spec, run.tracking.uri, run.run_id)
+            node = open_compute(spec, run.tracking.uri, run.run_id)
             with watch.stage("provision"):
-                provision_task(compute)
+                provision_task(node.compute)
         with watch.stage("train"):
-            outcome = train_stage(spec, run, view, callbacks or [], compute, command)
+            outcome = train_stage(spec, run, view, callbacks or [], node)
             watch.record(outcome)
             outcome.raise_if_interrupted()
         with watch.stage("checkpoint"):
@@ -144,11 +160,10 @@ def run_stages(
             watch.record(checkpoints)
         if spec.probe.enabled:
             with watch.stage("artifact-probe"):
-                caches = dict(lora_cfg=spec.lora, baseline_cache=run.cache_dir.parent / "probe-baseline")
-                for uri in checkpoints.uris.values() if spec.probe.every_checkpoint else [checkpoints.final_uri]:
-                    watch.record(probe_task(uri, spec.probe, spec.model, run.cache_dir / "probe", **caches))
+                for report in probe_stage(spec, run, view, checkpoints, node):
+                    watch.record(report)
         with watch.stage("eval"):
-            evaluation = eval_task(spec, checkpoints.final_uri, run.cache_dir / "eval")
+            evaluation = eval_stage(spec, run, view, checkpoints, node)
             watch.record(evaluation)
         result = run.finish(outcome, checkpoints, evaluation)
         view.finished(result)
@@ -163,20 +178,39 @@ def run_stages(
         run.fail(e)
         raise
     finally:
-        if compute is not None:  # always: success, failure, cancellation, Ctrl-C (SkyPilot's autodown if we die)
-            teardown_task(compute)
-            view.say(record_usage(run, compute.usage()))
+        if node is not None:  # always: success, failure, cancellation, Ctrl-C (SkyPilot's autodown if we die)
+            teardown_task(node.compute)
+            view.say(record_usage(run, node.compute.usage()))
 
 
-def train_stage(spec: ExperimentSpec, run: RunRecorder, view: PipelineView, callbacks: list, compute, command):
+def train_stage(spec: ExperimentSpec, run: RunRecorder, view: PipelineView, callbacks: list, node: Node | None):
     """The train task here (metrics to MLflow, checkpoints to the store as they are saved) or on the node, which
     sends its metrics and checkpoints itself and whose step lines reach `view` and `callbacks`."""
-    if compute is not None:
+    if node is not None:
         hooks = [view, *callbacks]
-        return node_train_task(compute, command, run, hooks, view.say, spec.infra.max_restarts)
+        return node_train_task(node.compute, node.command("train"), run, hooks, view.say, spec.infra.max_restarts)
     uploader = CheckpointUploader(run.store, run.checkpoint_prefix)
     hooks = [run.metrics, run.headline, uploader, view, *callbacks]
     return train_task(spec, run.output_dir, hooks, run.source, resume=run.resumed, progress=view.bar)
+
+
+def probe_stage(spec: ExperimentSpec, run: RunRecorder, view: PipelineView, checkpoints, node: Node | None):
+    """The probe reports of the final checkpoint (or of every one, probe.every_checkpoint), one at a time: probed
+    here, or on the node from the store, whose reports come back the same."""
+    uris = checkpoints.uris if spec.probe.every_checkpoint else {checkpoints.final_step: checkpoints.final_uri}
+    if node is not None:
+        yield from node_probe_task(node, run.store, list(uris), view.say, spec.infra.max_restarts)
+        return
+    caches = dict(lora_cfg=spec.lora, baseline_cache=run.cache_dir.parent / "probe-baseline")
+    for uri in uris.values():
+        yield probe_task(uri, spec.probe, spec.model, run.cache_dir / "probe", **caches)
+
+
+def eval_stage(spec: ExperimentSpec, run: RunRecorder, view: PipelineView, checkpoints, node: Node | None):
+    """The final checkpoint's held-out scores: evaluated here, or on the node from the store (the same EvalResult)."""
+    if node is not None:
+        return node_eval_task(node, run.store, checkpoints.final_step, view.say, spec.infra.max_restarts)
+    return eval_task(spec, checkpoints.final_uri, run.cache_dir / "eval")
 
 
 def open_run(

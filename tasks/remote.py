@@ -1,32 +1,48 @@
-"""The train stage on a provisioned node (infra/compute.py): what the flow sends, what the node runs, what comes back.
+"""The GPU stages on a provisioned node (infra/compute.py): what the flow sends, what the node runs, what comes back.
 
-    python3 -m tasks.remote train --spec NODE_SPEC.yaml --run-id RUN_ID      # on the node (the Compute runs it)
+    python3 -m tasks.remote train --spec NODE_SPEC.yaml --run-id RUN_ID              # on the node: the Compute
+    python3 -m tasks.remote probe --spec NODE_SPEC.yaml --run-id RUN_ID --step 6     # runs each stage as the
+    python3 -m tasks.remote eval  --spec NODE_SPEC.yaml --run-id RUN_ID --step 6     # flow reaches it
 
 The flow (flows/pipeline.py) has opened the MLflow run; the node trains *that* run. Its spec is the run's, with
 the tracking and artifact store resolved to the ones the flow uses and the project folder the node's own
-(`node_spec`); nothing else of the flow's machine is assumed to be there. On the node:
+(`node_spec`); nothing else of the flow's machine is assumed to be there. On the node, the train stage:
 
-1. the newest checkpoint in the store (and the run's metrics.jsonl and samples files saved next to it) is
-   restored, so a relaunched node — after a preemption — resumes as `ballast run --resume` does; with no
-   checkpoint yet, the run starts from its fork source (fetched from the store) or the base model;
-2. the trainer runs with the same callbacks as in the flow's process: metrics to MLflow through `MetricsSink`
+1. restores the newest checkpoint in the store (and the run's metrics.jsonl and samples files saved next to it),
+   so a relaunched node — after a preemption — resumes as `ballast run --resume` does; with no checkpoint yet,
+   the run starts from its fork source (fetched from the store) or the base model;
+2. runs the trainer with the same callbacks as in the flow's process: metrics to MLflow through `MetricsSink`
    in its `replayed` mode (a (metric, step) MLflow already holds is not sent again, so a replayed step is never
    duplicated), each checkpoint to the store as it is saved, and the run's files next to it; SIGTERM (a
    preemption) stops it at a safe point, after a checkpoint;
-3. each step is printed as one `ballast-step {json}` line, which the flow turns back into the same progress
-   lines (and callbacks) as a local run; at the end the outcome goes to the store (`node/outcome.json`).
+3. prints each step as one `ballast-step {json}` line, which the flow turns back into the same progress lines
+   (and callbacks) as a local run; at the end the outcome goes to the store (`node/outcome.json`).
 
-`train_on_node` is the flow's end: run the stage, relaunch it when the node was preempted (up to
-`infra.max_restarts`, unless SkyPilot's managed job recovers by itself), then read the outcome back.
+The artifact-probe and eval stages read the checkpoint of a step from the store (the URI the flow's checkpoint
+stage lists), run the same function as in the flow's process (`probe_checkpoint`, `eval_checkpoint`) and write
+the result to the store — `node/probe/<step>/probe_report.json` (and .html), `node/eval/<step>.json` — which the
+flow reads back into the same ProbeReport and EvalResult it records for a local run. They talk to no MLflow
+server; a relaunch repeats them, as they are idempotent. Every stage marks `node/<stage>.json` running, then
+done or failed with the error's class and message, which the flow raises again as that class where it knows
+it (`node_error`): a bad checkpoint on the node fails the stage with the line a local run shows. On a SkyPilot
+cluster the three stages run on the one node; with a managed job (spot) each stage is a job of its own, on a node
+SkyPilot provisions for it.
+
+`train_on_node`, `probe_on_node` and `eval_on_node` are the flow's end: run the stage, relaunch it when the
+node was preempted (up to `infra.max_restarts`, unless SkyPilot's managed job recovers by itself), then read
+what it wrote back.
 """
 
 from __future__ import annotations
 
 import argparse
+import builtins
 import json
 import re
 import sys
+import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -43,11 +59,16 @@ from infra.compute import (
     sky_task,
 )
 from infra.skypilot import REMOTE_SPEC_DIR
-from tasks.checkpoint import CheckpointUploader, fetch_checkpoint
+from infra.store import ChecksumError, StoreUnavailable, open_store
+from tasks.checkpoint import CheckpointUploader, checkpoint_prefix, fetch_checkpoint
+from tasks.eval import EvalResult, eval_checkpoint
+from tasks.probe import ProbeError, probe_checkpoint
+from tasks.probe_report import ProbeReport
 from tasks.record import store_uri
-from tasks.spec import dump_spec, load_spec
+from tasks.spec import SpecError, dump_spec, load_spec
 from tasks.train import RunInterrupted, TrainOutcome, run_training
-from trainer.checkpoint import parse_step_dir, step_dir_name
+from trainer.checkpoint import CheckpointError, parse_step_dir, step_dir_name
+from trainer.config import InputError
 from trainer.loop import Callbacks
 from trainer.samples import EVAL_SAMPLES_FILE, SAMPLES_FILE
 
@@ -79,12 +100,32 @@ def write_node_spec(node, path: Path) -> Path:
     return path
 
 
-def stage_command(python: str, spec_file: str, run_id: str) -> list[str]:
-    return [python, "-m", "tasks.remote", "train", "--spec", spec_file, "--run-id", run_id]
+def stage_command(python: str, spec_file: str, run_id: str, stage: str = "train", *args: str) -> list[str]:
+    return [python, "-m", "tasks.remote", stage, "--spec", spec_file, "--run-id", run_id, *args]
+
+
+@dataclass
+class Node:
+    """A run's compute and the stage commands it runs there (`command`); nothing is provisioned until the flow's
+    provision stage."""
+
+    compute: Compute
+    python: str  # the node's interpreter
+    spec_file: str  # the node spec, as the node reads it
+    run_id: str
+
+    def command(self, stage: str, *args: str) -> list[str]:
+        return stage_command(self.python, self.spec_file, self.run_id, stage, *args)
 
 
 class NodeStageFailed(RuntimeError):
     """The node's stage ended with an error (or was preempted more often than allowed); the message quotes its log."""
+
+
+# The node's errors the flow raises again as themselves (with builtins' by name); any other is a NodeStageFailed.
+NODE_ERRORS = {
+    e.__name__: e for e in (InputError, SpecError, CheckpointError, ProbeError, ChecksumError, StoreUnavailable)
+}
 
 
 class LineRelay:
@@ -108,6 +149,62 @@ class LineRelay:
             self.say(line)
 
 
+def run_on_node(
+    compute: Compute,
+    stage: str,
+    command: list[str],
+    relay: LineRelay,
+    max_restarts: int,
+    store=None,
+    run_id: str | None = None,
+    env: dict[str, str] | None = None,
+) -> None:
+    """Run `stage` on the provisioned `compute` until it ends well, relaunching it on preemption; an error the node
+    recorded in `store` is raised again (`node_error`), any other failure as NodeStageFailed with its log."""
+    restarts = 0
+    while True:
+        ended = compute.run(command, env or {}, relay)
+        if ended.code == 0:
+            return
+        if ended.preempted and not compute.recovers_itself and restarts < max_restarts:
+            restarts += 1
+            where = f" after step {relay.last_step}" if stage == "train" else ""
+            again = ", resuming from the store's newest checkpoint" if stage == "train" else " (the stage starts over)"
+            relay.say(
+                f"{stage}: the node went away{where} ({ended.detail}); relaunching it{again} "
+                f"(restart {restarts} of at most {max_restarts})"
+            )
+            compute.recover()
+            continue
+        recorded = read_stage_error(store, run_id, stage) if store is not None and not ended.preempted else None
+        if recorded is not None:
+            raise recorded
+        why = "preempted once more than infra.max_restarts allows" if ended.preempted else "failed"
+        log = "\n".join(relay.tail[-LOG_TAIL:])
+        raise NodeStageFailed(f"the {stage} stage on {compute.name} {why} ({ended.detail}); its last lines:\n{log}")
+
+
+def read_stage_error(store, run_id: str, stage: str) -> Exception | None:
+    """The error the node recorded for `stage` (`node/<stage>.json`), as the flow raises it; None when none is."""
+    try:
+        state = json.loads(store.read_text(f"{node_prefix(run_id)}/{stage}.json"))
+    except Exception:  # never written (the node died first), or the store is away: the log says what happened
+        return None
+    return node_error(state["error"], state["message"]) if state.get("state") == "failed" else None
+
+
+def node_error(name: str, message: str) -> Exception:
+    """The node's error as the flow raises it: the same class and message where the flow knows the class (so the
+    stage fails with the line a local run shows), else a NodeStageFailed naming it."""
+    known = NODE_ERRORS.get(name) or getattr(builtins, name, None)
+    if isinstance(known, type) and issubclass(known, Exception):
+        try:
+            return known(message)
+        except TypeError:  # a class whose constructor takes more than a message
+            pass
+    return NodeStageFailed(f"{name}: {message}")
+
+
 def train_on_node(
     compute: Compute,
     command: list[str],
@@ -118,24 +215,29 @@ def train_on_node(
     env: dict[str, str] | None = None,
 ) -> TrainOutcome:
     """Run the train stage on the provisioned `compute` for `run` (a RunRecorder); relaunch it on preemption."""
-    relay = LineRelay(hooks, say)
-    restarts = 0
-    while True:
-        ended = compute.run(command, env or {}, relay)
-        if ended.code == 0:
-            break
-        if ended.preempted and not compute.recovers_itself and restarts < max_restarts:
-            restarts += 1
-            say(
-                f"train: the node went away after step {relay.last_step} ({ended.detail}); relaunching it, "
-                f"resuming from the store's newest checkpoint (restart {restarts} of at most {max_restarts})"
-            )
-            compute.recover()
-            continue
-        why = "preempted once more than infra.max_restarts allows" if ended.preempted else "failed"
-        log = "\n".join(relay.tail[-LOG_TAIL:])
-        raise NodeStageFailed(f"the train stage on {compute.name} {why} ({ended.detail}); its last lines:\n{log}")
+    store, run_id = (run.store, run.run_id) if run is not None else (None, None)
+    run_on_node(compute, "train", command, LineRelay(hooks, say), max_restarts, store, run_id, env)
     return read_outcome(run.store, run.run_id, run.output_dir)
+
+
+def probe_on_node(
+    node: Node, store, steps: Sequence[int], say: Callable[[str], None], max_restarts: int
+) -> list[ProbeReport]:
+    """The artifact probe of the checkpoints at `steps` on the node; their reports, read back from `store`."""
+    command = node.command("probe", *[f"--step={step}" for step in steps])
+    run_on_node(node.compute, "artifact-probe", command, LineRelay([], say), max_restarts, store, node.run_id)
+    prefix = node_prefix(node.run_id)
+    return [
+        ProbeReport.from_dict(json.loads(store.read_text(f"{prefix}/probe/{step_dir_name(step)}/probe_report.json")))
+        for step in steps
+    ]
+
+
+def eval_on_node(node: Node, store, step: int, say: Callable[[str], None], max_restarts: int) -> EvalResult:
+    """The eval of the checkpoint at `step` on the node; its result, read back from `store`."""
+    command = node.command("eval", f"--step={step}")
+    run_on_node(node.compute, "eval", command, LineRelay([], say), max_restarts, store, node.run_id)
+    return EvalResult(**json.loads(store.read_text(f"{node_prefix(node.run_id)}/eval/{step_dir_name(step)}.json")))
 
 
 def read_outcome(store, run_id: str, output_dir: Path) -> TrainOutcome:
@@ -254,14 +356,87 @@ def train_node(spec, run_id: str) -> TrainOutcome:
     return outcome
 
 
+def probe_node(spec, run_id: str, steps: Sequence[int]) -> list[ProbeReport]:
+    """The artifact probe of run `run_id`'s stored checkpoints at `steps`, as the flow's process runs it; each
+    report to the store (JSON and page)."""
+    store, cache = open_store(store_uri(spec)), Path(spec.project_dir).resolve() / "cache" / run_id
+    reports = []
+    for step in steps:
+        uri = store.child_uri(checkpoint_prefix(run_id), step_dir_name(step))  # the flow's checkpoint stage's URI
+        report = probe_checkpoint(
+            uri,
+            spec.probe,
+            spec.model,
+            cache / "probe",
+            lora_cfg=spec.lora,
+            baseline_cache=cache.parent / "probe-baseline",
+        )
+        where = f"{node_prefix(run_id)}/probe/{step_dir_name(step)}"
+        pages = cache / "probe-report" / step_dir_name(step)
+        store.put_file(report.write_json(pages / "probe_report.json"), f"{where}/probe_report.json")
+        store.put_file(report.write_html(pages / "probe_report.html"), f"{where}/probe_report.html")
+        print(
+            f"node: artifact-probe of step {step} {'passed' if report.passed else 'FAILED'}: {report.versus()}",
+            flush=True,
+        )
+        reports.append(report)
+    return reports
+
+
+def eval_node(spec, run_id: str, step: int) -> EvalResult:
+    """The eval of run `run_id`'s stored checkpoint at `step`, as the flow's process runs it; the result (metrics,
+    per-prompt scores, samples) to the store."""
+    store, cache = open_store(store_uri(spec)), Path(spec.project_dir).resolve() / "cache" / run_id
+    uri = store.child_uri(checkpoint_prefix(run_id), step_dir_name(step))
+    result = eval_checkpoint(spec, uri, cache / "eval")
+    store.write_text(f"{node_prefix(run_id)}/eval/{step_dir_name(step)}.json", json.dumps(asdict(result)))
+    scores = "  ".join(f"{k} {v:.4g}" for k, v in result.metrics.items())
+    print(f"node: eval of step {step} done: {scores}", flush=True)
+    return result
+
+
+STAGES = {"train": "train", "probe": "artifact-probe", "eval": "eval"}  # subcommand: the pipeline's stage
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m tasks.remote", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="stage", required=True)
-    train = sub.add_parser("train", help="train an opened MLflow run, resuming from the store")
-    train.add_argument("--spec", required=True, help="the node spec (node_spec) as YAML")
-    train.add_argument("--run-id", required=True)
+    helps = {
+        "train": "train an opened MLflow run, resuming from the store",
+        "probe": "probe the run's stored checkpoints at --step (repeatable)",
+        "eval": "evaluate the run's stored checkpoint at --step",
+    }
+    for name, text in helps.items():
+        stage = sub.add_parser(name, help=text)
+        stage.add_argument("--spec", required=True, help="the node spec (node_spec) as YAML")
+        stage.add_argument("--run-id", required=True)
+        if name != "train":
+            stage.add_argument("--step", type=int, required=True, action="append" if name == "probe" else "store")
     args = parser.parse_args(argv)
-    outcome = train_node(load_spec(args.spec), args.run_id)
+    spec = load_spec(args.spec)
+    store = open_store(store_uri(spec))
+    state = f"{node_prefix(args.run_id)}/{STAGES[args.stage]}.json"
+    store.write_text(state, json.dumps({"state": "running"}))
+    try:
+        code = run_node_stage(spec, args)
+    except Exception as e:  # recorded for the flow, which raises it again: the line a local run shows
+        if not isinstance(e, tuple(NODE_ERRORS.values())):  # a known one is the flow's line alone, as locally
+            traceback.print_exc()  # an unexpected error: its traceback in the node's log (Prefect's run log)
+        store.write_text(state, json.dumps({"state": "failed", "error": type(e).__name__, "message": str(e)}))
+        return 1
+    store.write_text(state, json.dumps({"state": "done"}))
+    return code
+
+
+def run_node_stage(spec, args) -> int:
+    """One stage on this node; its exit status (a preemption's signal for an interrupted train stage)."""
+    if args.stage == "probe":
+        probe_node(spec, args.run_id, args.step)
+        return 0
+    if args.stage == "eval":
+        eval_node(spec, args.run_id, args.step)
+        return 0
+    outcome = train_node(spec, args.run_id)
     if outcome.interrupted:  # a preemption's SIGTERM: the checkpoint is in the store; the exit says which signal
         stop = RunInterrupted(outcome.interrupted, outcome.last_step, outcome.last_checkpoint, run=f"run {args.run_id}")
         print(f"node: {stop}", flush=True)
@@ -276,8 +451,8 @@ def node_name(spec_name: str, run_id: str) -> str:
     return f"ballast-{slug}-" + re.sub(r"[^a-z0-9]+", "", run_id.lower())[:8]
 
 
-def open_compute(spec, tracking_uri: str, run_id: str) -> tuple[Compute, list[str]]:
-    """The spec's compute for run `run_id` and the stage command it runs; nothing is provisioned yet. A SkyPilot
+def open_compute(spec, tracking_uri: str, run_id: str) -> Node:
+    """The spec's compute for run `run_id` and the stage commands it runs; nothing is provisioned yet. A SkyPilot
     task is validated by SkyPilot's own schema here (ComputeError, one line)."""
     name = node_name(spec.name, run_id)
     project = Path(spec.project_dir).resolve()
@@ -285,9 +460,9 @@ def open_compute(spec, tracking_uri: str, run_id: str) -> tuple[Compute, list[st
         workdir = project / "compute" / name
         node = node_spec(spec, tracking_uri, store_uri(spec), str(workdir / "project"))
         spec_file = write_node_spec(node, project / "compute" / f"{name}.yaml")  # outside the node's disk
-        return LocalCompute(name, workdir), stage_command(sys.executable, str(spec_file), run_id)
+        return Node(LocalCompute(name, workdir), sys.executable, str(spec_file), run_id)
     plan = plan_skypilot(spec, tracking_uri, run_id, project / "launch")
-    return SkyPilotCompute(plan), plan.run.split()
+    return Node(SkyPilotCompute(plan), "python3", plan.remote_spec, run_id)
 
 
 def plan_skypilot(spec, tracking_uri: str, run_id: str, out_dir: Path) -> SkyPlan:

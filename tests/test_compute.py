@@ -1,11 +1,14 @@
-"""Compute is a stage: a pipeline run with `infra.compute: local` goes provision → train (a stage process on a
-provisioned "node") → checkpoint → artifact-probe → eval → teardown, the same path as SkyPilot but for SkyPilot's
-own calls. The node trains the run the flow opened, through the store alone: a preempted node (SIGTERM, then
-SIGKILL, of the stage's process group) is relaunched by the flow and resumes from the store's newest checkpoint,
-and the finished run equals an uninterrupted one. Teardown always happens; the run records what the node cost.
+"""Compute is a stage: a pipeline run with `infra.compute: local` goes provision → train → checkpoint →
+artifact-probe → eval → teardown, train, probe and eval each a stage process on a provisioned "node", the same
+path as SkyPilot but for SkyPilot's own calls. The node trains the run the flow opened, through the store alone: a
+preempted node (SIGTERM, then SIGKILL, of the stage's process group) is relaunched by the flow and resumes from
+the store's newest checkpoint, and the finished run equals an uninterrupted one. The probe and eval the node
+writes to the store come back as the results the flow records for a local run, and a node's error as the error a
+local stage raises. Teardown always happens; the run records what the node cost.
 The SkyPilot side is tested up to its SDK: the task it would submit, validated by SkyPilot's own schema.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -21,9 +24,10 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
 from infra.compute import STAGE_PID, ComputeError, LocalCompute, check_placement, sky_task
-from tasks.remote import LineRelay, NodeStageFailed, node_name, plan_skypilot
+from tasks.remote import LineRelay, NodeStageFailed, node_error, node_name, plan_skypilot
 from tasks.spec import load_spec
 from tests.conftest import tiny_spec
+from trainer.checkpoint import step_dir_name
 from trainer.loop import Callbacks
 
 STEPS = 6
@@ -63,6 +67,17 @@ def task_run_names(flow_run_id) -> list[str]:
             sort=TaskRunSort.EXPECTED_START_TIME_ASC,
         )
     return [r.name.rsplit("-", 1)[0] for r in runs]
+
+
+def flow_log_lines(flow_run_id) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()  # what the flow logged, sent
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    return [log.message for log in logs]
 
 
 def run_flow(spec: dict):
@@ -109,6 +124,76 @@ def test_the_node_trains_the_flows_mlflow_run_and_records_what_it_used(uninterru
     assert run.data.metrics["compute/restarts"] == 0
     assert run.data.metrics["compute/run_s"] > 0
     assert [round(r, 6) for r in result.rewards] == [round(v, 6) for _, v in rewards]
+
+
+def test_probe_and_eval_run_on_the_node_and_come_back_as_the_results_the_flow_records(uninterrupted):
+    project, state, result = uninterrupted
+    lines = flow_log_lines(state.state_details.flow_run_id)
+    assert any(line.startswith(f"node: artifact-probe of step {STEPS} ") for line in lines)  # relayed from the node
+    assert any(line.startswith(f"node: eval of step {STEPS} done") for line in lines)
+    node = project / "artifacts" / "runs" / result.run_id / "node"
+    stored = json.loads((node / "probe" / step_dir_name(STEPS) / "probe_report.json").read_text())
+    recorded = json.loads((Path(result.output_dir) / "probe" / step_dir_name(STEPS) / "probe_report.json").read_text())
+    assert recorded == stored and stored["checkpoint"] == result.checkpoints[STEPS]
+    assert (node / "probe" / step_dir_name(STEPS) / "probe_report.html").exists()
+    evaluated = json.loads((node / "eval" / f"{step_dir_name(STEPS)}.json").read_text())
+    assert evaluated["metrics"] == result.eval and evaluated["checkpoint_uri"] == result.checkpoints[STEPS]
+
+
+def test_the_nodes_eval_equals_evaluating_the_final_checkpoint_in_the_flows_process(
+    tiny_model, uninterrupted, tmp_path
+):
+    from tasks.eval import eval_checkpoint
+
+    project, _, result = uninterrupted
+    here = eval_checkpoint(load_spec(node_spec_dict(tiny_model, project)), result.checkpoints[STEPS], tmp_path)
+    assert result.eval == pytest.approx(here.metrics, abs=1e-9)
+    assert result.eval_per_prompt == pytest.approx(here.per_prompt, abs=1e-9)
+    uri = f"sqlite:///{project.resolve() / 'mlflow.db'}"
+    logged = MlflowClient(uri).get_metric_history(result.run_id, "eval/reward")
+    assert [(m.step, m.value) for m in logged] == [(STEPS, pytest.approx(here.metrics["eval/reward"], abs=1e-9))]
+
+
+def test_a_bad_checkpoint_fails_the_probe_on_the_node_with_the_error_a_local_probe_raises(
+    tiny_model, tmp_path, uninterrupted
+):
+    from infra.store import open_store
+    from tasks.checkpoint import checkpoint_prefix
+    from tasks.probe import ProbeError, probe_checkpoint
+    from tasks.record import store_uri
+    from tasks.remote import open_compute, probe_on_node
+
+    _, _, clean = uninterrupted
+    spec = load_spec(node_spec_dict(tiny_model, tmp_path / "project"))
+    store, run_id = open_store(store_uri(spec)), "0123456789abcdef"
+    final = Path(clean.final_checkpoint)
+    store.put_dir(final, f"{checkpoint_prefix(run_id)}/{final.name}")
+    uri = store.child_uri(checkpoint_prefix(run_id), final.name)
+    with open(Path(uri) / "adapter" / "adapter_model.safetensors", "ab") as f:
+        f.write(b"altered after it was saved")
+    with pytest.raises(ProbeError) as here:
+        probe_checkpoint(uri, spec.probe, spec.model, tmp_path / "cache", lora_cfg=spec.lora)
+    node = open_compute(spec, "sqlite:///unused.db", run_id)
+    node.compute.provision()
+    said = []
+    try:
+        with pytest.raises(ProbeError) as there:
+            probe_on_node(node, store, [STEPS], said.append, max_restarts=0)
+    finally:
+        node.compute.teardown()
+    assert str(there.value) == str(here.value) and "cannot probe" in str(here.value)
+    assert not any("Traceback" in line or "cannot probe" in line for line in said)  # the flow raises its one line
+
+
+def test_a_nodes_error_is_raised_again_as_its_class_where_the_flow_knows_it():
+    from tasks.probe import ProbeError
+    from trainer.checkpoint import CheckpointError
+
+    assert type(node_error("ProbeError", "cannot probe x")) is ProbeError
+    assert type(node_error("CheckpointError", "bad")) is CheckpointError
+    assert str(node_error("FileNotFoundError", "artifact x does not exist")) == "artifact x does not exist"
+    unknown = node_error("CudaOutOfMemory", "out of memory")
+    assert isinstance(unknown, NodeStageFailed) and str(unknown) == "CudaOutOfMemory: out of memory"
 
 
 def preempt_when(project: Path, step: int, grace_s: float, done: threading.Event, log: list) -> None:
@@ -334,9 +419,18 @@ def test_the_skypilot_compute_is_planned_without_provisioning(tmp_path, monkeypa
 
     monkeypatch.setenv("HF_TOKEN", "x")
     spec = load_spec(spec_file(tmp_path))
-    compute, command = open_compute(spec, spec.tracking.uri, "0123456789abcdef")
+    node = open_compute(spec, spec.tracking.uri, "0123456789abcdef")
+    compute = node.compute
     assert compute.recovers_itself and compute.name == "ballast-big-01234567"
-    assert command[-2:] == ["--run-id", "0123456789abcdef"]
+    assert " ".join(node.command("train")) == compute.plan.run  # the task's own stage; probe and eval alike:
+    assert node.command("eval", "--step=6")[3:] == [
+        "eval",
+        "--spec",
+        compute.plan.remote_spec,
+        "--run-id",
+        "0123456789abcdef",
+        "--step=6",
+    ]
     assert compute.usage().spot and compute.usage().accelerators == "H100:1"
     plan = plan_skypilot(spec, spec.tracking.uri, "0123456789abcdef", tmp_path / "launch")
     launched = sky_task(plan.task_config(with_secret_values=True))
