@@ -606,6 +606,8 @@ def cmd_sweep(args) -> int:
         raise UserError(f"--timeout {args.timeout:g}: give a number of seconds above 0")
     _check_storage_flag(args.storage)
     sweep = load_sweep(args.file, args.set)  # a bad sweep file or --set fails here, before any study or run exists
+    if args.workers and base_spec(sweep).get("infra", {}).get("compute", "here") != "here":
+        _check_worker_nodes(sweep, args.storage)
     runtime.prestart(base_spec(sweep).get("project_dir", ".ballast"))
     from flows.sweep import ballast_sweep
 
@@ -625,6 +627,20 @@ def cmd_sweep(args) -> int:
     if not result.done:
         return 1
     return 0 if result.n_complete else 3  # every trial pruned or failed: the sweep found nothing, as a collapsed run
+
+
+def _check_worker_nodes(sweep, storage: str | None) -> None:
+    """Workers on provisioned nodes: a placement or study storage the nodes could not use (SQLite or a loopback
+    database for SkyPilot nodes), one line, exit 2, before any study exists or anything is provisioned."""
+    from infra.compute import ComputeError
+    from sweeps.space import base_spec
+    from sweeps.study import check_worker_placement
+    from tasks.spec import validate_spec
+
+    try:
+        check_worker_placement(validate_spec(base_spec(sweep), "sweep base spec"), storage or sweep.storage)
+    except ComputeError as e:
+        raise UserError(str(e)) from None
 
 
 def _check_storage_flag(url: str | None) -> None:

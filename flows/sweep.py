@@ -15,6 +15,15 @@ is the pipeline flow (flows/pipeline.py) as a subflow, with the trial's pruning 
 the project folder by default (a couple of local workers), PostgreSQL for many; keep the password out of the URL
 (PGPASSWORD or ~/.pgpass) — it is a flow parameter and is printed.
 
+**Workers on nodes.** With the base spec's `infra.compute` local or skypilot, `--workers K` starts each worker
+through the compute interface (infra/compute.py), as the pipeline runs its train stage: a node per worker (a
+SkyPilot cluster or managed job each; a scratch directory and a process of its own for `local`), `ballast
+sweep-worker` run there with its lines relayed here, prefixed, and the node torn down whatever happens (success,
+failure, Ctrl-C) — the tasks `provision worker-i` / `teardown worker-i` in Prefect. On the node a trial's spec is
+placed as `node_spec` places a pipeline's (tasks/remote.py): `infra.compute: here`, the flow's tracking and artifact
+store, the node's project folder; so trials never provision again. What each node used is kept on the study and
+summed in the summary. The storage must be one the nodes reach (sweeps/study.py `check_worker_placement`).
+
 The terminal shows one progress line per trial (step, reward, held-out score at eval points, ETA; rewritten in
 place on a terminal, every few steps in a log) and, after each trial, its outcome and the sweep's: trials done,
 best so far against the baseline.
@@ -24,10 +33,13 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
+import threading
 import time
 import warnings
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import optuna
@@ -35,14 +47,18 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
 
-from flows.pipeline import run_pipeline
+from flows.pipeline import provision_task, run_pipeline, teardown_task
+from infra.compute import Compute, LocalCompute, SkyPilotCompute, StageExit, Usage, sky_plan, sky_task, urlhost
 from sweeps.baseline import BASELINE_ATTR, Baseline, load_baseline
 from sweeps.report import SweepSummary, describe_gain, format_values, plot_study, summarize, trial_row
 from sweeps.space import base_spec, load_sweep
 from sweeps.study import (
+    COMPUTE_ATTR,
+    LOOPBACK,
+    NODE_ATTR,
     TRIALS_ATTR,
     SweepWorkerError,
-    default_storage,
+    check_worker_placement,
     join_study,
     make_storage,
     n_done,
@@ -50,15 +66,19 @@ from sweeps.study import (
     optimize,
     redact_url,
     run_trial,
+    study_storage,
     target,
 )
 from tasks.eval import eval_baseline
 from tasks.fork import fork
-from tasks.record import SweepRecorder
+from tasks.record import SweepRecorder, store_uri
+from tasks.remote import LineRelay, node_name, node_spec, write_node_spec
 from tasks.spec import validate_spec
 from tasks.train import Callbacks, RunInterrupted
 
 CLI = "import sys; from flows.cli import main; sys.exit(main())"
+NODE_ENV = "BALLAST_SWEEP_NODE"  # on a worker node: where its trials keep their files (JSON, `worker_node`)
+DEADLINE_ENV = "BALLAST_SWEEP_DEADLINE"  # --timeout's end (epoch seconds) for the workers `ballast sweep` starts
 
 
 # ------------------------------------------------------------------------------------------ the baseline
@@ -157,10 +177,13 @@ def _say(text: str) -> None:
 def run_worker(study, sweep, recorder: SweepRecorder, label: str = "", timeout_s: float | None = None):
     """This process's share of the study: trials until the study has its total (or the time budget is spent)."""
     started = time.perf_counter()
+    node = json.loads(os.environ.get(NODE_ENV) or "null")  # this worker runs on a node the sweep provisioned
 
     def run_fn(spec, callbacks, trial):
         metric = sweep.objectives[0].key if sweep.objectives[0].key.startswith("eval/") else "eval/reward"
         progress = TrialProgress(trial.number, spec.optim.steps, label, metric=metric)
+        if node:  # the trial trains here, on this node: it never provisions another
+            spec = node_spec(spec, node["tracking_uri"], node["store_uri"], node["project_dir"])
         try:
             return run_pipeline(
                 spec.model_dump(mode="json"),
@@ -174,6 +197,8 @@ def run_worker(study, sweep, recorder: SweepRecorder, label: str = "", timeout_s
             raise KeyboardInterrupt(str(stop)) from stop
         finally:
             progress.close()
+            if spec.infra.compute != "here":  # the trial's train stage had a node of its own: what it used
+                keep_trial_usage(trial, recorder)
 
     def on_trial(st, frozen) -> None:
         recorder.record_trial(st, frozen)
@@ -188,6 +213,27 @@ def run_worker(study, sweep, recorder: SweepRecorder, label: str = "", timeout_s
         log=lambda m: print(label + m, flush=True),
         timeout_s=timeout_s,
     )
+
+
+def keep_trial_usage(trial, recorder: SweepRecorder) -> None:
+    """The trial's train-stage node usage (record_usage put it on its MLflow run) as the trial's user attr
+    `compute`, for the summary to sum; nothing when the run has none."""
+    try:
+        run = recorder.child_run(trial.number)
+        metrics = run.data.metrics if run is not None else {}
+        used = {k.removeprefix("compute/"): v for k, v in metrics.items() if k.startswith("compute/")}
+        if not used:
+            return
+        tags = run.data.tags
+        for key in ("compute", "node", "accelerators", "cloud", "region"):
+            tag = "ballast.compute" + ("" if key == "compute" else f".{key}")
+            if tag in tags:
+                used[key] = tags[tag]
+        used["spot"] = tags.get("ballast.compute.spot") == "spot"
+        used["torn_down"] = tags.get("ballast.compute.torn_down") == "True"
+        trial.set_user_attr(COMPUTE_ATTR, used)
+    except Exception as e:  # bookkeeping never fails a trial
+        print(f"trial {trial.number}: its node's usage was not kept on the study: {e}", flush=True)
 
 
 def sweep_line(study, sweep, elapsed: float) -> str:
@@ -255,10 +301,9 @@ def open_sweep(sweep, storage_url: str, n_trials: int | None, worker: int):
     return study, recorder
 
 
-def spawn_workers(study_name: str, storage_url: str, k: int) -> list[int]:
+def spawn_workers(study_name: str, storage_url: str, k: int, extra_env: dict[str, str]) -> list[int]:
     """K `ballast sweep-worker` processes on this machine, sharing the storage (and this Prefect API); exit codes."""
-    with get_client(sync_client=True) as client:  # the API this process uses (the ephemeral server's, too)
-        env = dict(os.environ, PREFECT_API_URL=str(client.api_url))
+    env = dict(os.environ, PREFECT_API_URL=prefect_api(), **extra_env)
     procs = [
         subprocess.Popen(
             [
@@ -288,6 +333,134 @@ def spawn_workers(study_name: str, storage_url: str, k: int) -> list[int]:
         raise
 
 
+# ------------------------------------------------------------------------------------------ workers on nodes
+
+
+@dataclass
+class WorkerNode:
+    """One sweep worker on a node of its own: the compute, the `ballast sweep-worker` command it runs there and its
+    environment. Torn down once, by its thread or by the flow on Ctrl-C, whichever comes first."""
+
+    index: int
+    compute: Compute
+    command: list[str]
+    env: dict[str, str]
+    ended: StageExit | None = None
+    tail: list[str] = field(default_factory=list)  # its last lines, quoted when it fails
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def label(self) -> str:
+        return f"worker-{self.index}"
+
+    def teardown(self) -> None:
+        with self.lock:
+            if not self.compute.usage().torn_down:
+                teardown_task.with_options(task_run_name=f"teardown {self.label}")(self.compute)
+
+    def record(self) -> dict:
+        """Its usage as the study keeps it (sweeps/report.py sums these)."""
+        usage: Usage = self.compute.usage()
+        return {"name": f"{self.label} ({self.compute.name})", **asdict(usage), "cost_usd": usage.cost_usd}
+
+
+def worker_node(spec, study_name: str, storage_url: str, index: int, tracking_uri: str, api_url: str) -> WorkerNode:
+    """Worker `index`'s node — a LocalCompute or a SkyPilot cluster / managed job, as tasks/remote.py's
+    `open_compute` builds a run's — and what runs there; nothing is provisioned yet. The node's trials keep their
+    files in the node's own project folder and record to the flow's tracking and artifact store (NODE_ENV)."""
+    name = node_name(study_name, f"w{index}")
+    argv = ["sweep-worker", "--study", study_name, "--storage", storage_url, "--worker", str(index), "--no-summary"]
+    project = Path(spec.project_dir).resolve()
+    placement = {"tracking_uri": tracking_uri, "store_uri": store_uri(spec)}
+    env = {}
+    if spec.infra.compute == "local" or urlhost(api_url) not in LOOPBACK:  # its flows in this Prefect, if it can
+        env["PREFECT_API_URL"] = api_url
+    if spec.infra.compute == "local":
+        workdir = project / "compute" / name
+        env[NODE_ENV] = json.dumps({**placement, "project_dir": str(workdir / "project")})
+        return WorkerNode(index, LocalCompute(name, workdir), [sys.executable, "-m", "flows.cli", *argv], env)
+    env[NODE_ENV] = json.dumps({**placement, "project_dir": ".ballast-node"})
+    command = shlex.join(["python3", "-m", "flows.cli", *argv])
+    node = node_spec(spec, tracking_uri, placement["store_uri"], ".ballast-node")  # the base spec, for the record
+    spec_file = write_node_spec(node, project / "launch" / f"{name}.spec.yaml")
+    vllm = spec.rollout.engine == "vllm" and not spec.rollout.vllm_url
+    plan = sky_plan(spec.infra, name, spec_file, command, vllm=vllm)
+    sky_task({**plan.task_config(), "envs": {**plan.task_config()["envs"], **env}})  # SkyPilot's schema, now
+    return WorkerNode(index, SkyPilotCompute(plan), [command], env)
+
+
+def run_worker_node(node: WorkerNode) -> StageExit:
+    """Provision the worker's node, run the worker there (its lines here, prefixed), tear the node down."""
+    prefix = f"[worker {node.index}] "
+
+    def say(line: str) -> None:
+        print(line if line.startswith(prefix) else prefix + line, flush=True)
+
+    try:
+        provision_task.with_options(task_run_name=f"provision {node.label}")(node.compute)
+        with node.lock:
+            if node.compute.usage().torn_down:  # the flow was stopped while this node was being provisioned
+                return StageExit(130, detail="stopped before it started")
+        relay = LineRelay([], say)
+        node.ended = node.compute.run(node.command, node.env, relay)
+        node.tail = relay.tail
+        return node.ended
+    finally:
+        node.teardown()
+
+
+worker_node_task = task(run_worker_node, name="sweep-worker", cache_policy=NO_CACHE, persist_result=False)
+
+
+def run_on_nodes(
+    study, spec, recorder: SweepRecorder, storage_url: str, k: int, extra_env: dict[str, str]
+) -> list[WorkerNode]:
+    """K workers, each on its own node, at once (Prefect's thread pool); every node torn down before this returns,
+    a Ctrl-C too. What each used goes onto the study and the sweep's parent run."""
+    api = prefect_api()
+    nodes = [worker_node(spec, study.study_name, storage_url, i, recorder.tracking.uri, api) for i in range(k)]
+    for n in nodes:
+        n.env.update(extra_env)
+    futures = []
+    try:
+        futures = [worker_node_task.with_options(task_run_name=n.label).submit(n) for n in nodes]
+        for f in futures:
+            f.wait()
+    finally:
+        for n in nodes:  # after a Ctrl-C: stops the workers (SIGTERM: a trial stops at a safe point), downs the nodes
+            n.teardown()
+        for f in futures:
+            f.wait()
+        keep_node_usage(study, recorder, nodes)
+    for n, f in zip(nodes, futures):
+        ended = f.result(raise_on_failure=False)
+        if isinstance(ended, BaseException):
+            print(f"[worker {n.index}] its node {n.compute.name} failed: {type(ended).__name__}: {ended}", flush=True)
+        elif ended.code != 0:
+            last = "\n".join(n.tail[-8:])
+            print(f"[worker {n.index}] ended on {n.compute.name} with {ended.detail}; its last lines:\n{last}")
+    return nodes
+
+
+def keep_node_usage(study, recorder: SweepRecorder, nodes: list[WorkerNode]) -> None:
+    """Each node's usage: a study user attr (the summary sums them), a tag and a line."""
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    for n in nodes:
+        usage = n.compute.usage()
+        print(f"[worker {n.index}] {usage.line()}{'' if usage.torn_down else ' — NOT torn down'}", flush=True)
+        try:
+            study.set_user_attr(f"{NODE_ATTR}{stamp}.{n.index}", json.dumps(n.record()))
+            recorder.tracking.set_tags(recorder.parent_run_id, {f"compute.{n.label}": usage.line()})
+        except Exception as e:  # how the nodes were used never hides how the sweep ended
+            print(f"[worker {n.index}] its usage was not recorded: {e}", flush=True)
+
+
+def prefect_api() -> str:
+    """The Prefect API this process uses (the embedded server's too), for the workers' flow runs."""
+    with get_client(sync_client=True) as client:
+        return str(client.api_url)
+
+
 def write_summary(study, sweep, recorder: SweepRecorder, storage_url: str, timed_out: bool = False) -> SweepSummary:
     """Best trial / Pareto set, importances, plots, summary.html/json; logged to the parent run."""
     out_dir = Path(recorder.tracking.spec.project_dir).resolve() / "sweeps" / study.study_name
@@ -299,8 +472,16 @@ def write_summary(study, sweep, recorder: SweepRecorder, storage_url: str, timed
     summary.dashboard = f"optuna-dashboard {redact_url(storage_url)}   (pip install optuna-dashboard)"
     summary.run_url_template = recorder.tracking.run_url("{run_id}")  # each trial's MLflow run, linked on the page
     summary.write(out_dir)
+    record_compute(recorder, summary)
     recorder.record_summary(summary, out_dir)
     return summary
+
+
+def record_compute(recorder: SweepRecorder, summary: SweepSummary) -> None:
+    """What the sweep's compute cost, on its parent run: metrics `compute/*` and the line as tag `compute`."""
+    for key, value in summary.compute.metrics().items():
+        recorder.client.log_metric(recorder.parent_run_id, key, value)
+    recorder.tracking.set_tags(recorder.parent_run_id, {"compute": summary.compute.line()})
 
 
 summary_task = task(write_summary, name="sweep-summary", cache_policy=NO_CACHE, persist_result=False)
@@ -316,7 +497,11 @@ def ballast_sweep(
     timeout_s: float | None = None,
 ) -> SweepSummary | None:
     sweep = load_sweep(sweep_path, overrides or [])
-    url = storage or sweep.storage or default_storage(base_spec(sweep).get("project_dir", ".ballast"))
+    url = study_storage(sweep, storage)
+    spec = validate_spec(base_spec(sweep), "sweep base spec")
+    on_nodes = workers >= 1 and spec.infra.compute != "here"
+    if on_nodes:  # a storage or placement the nodes could not use: refused before anything is provisioned
+        check_worker_placement(spec, url)
     study, recorder = open_sweep(sweep, url, trials, worker=0)
     print(
         f"sweep {study.study_name}: {n_done(study)} of {target(study)} trials done (storage {redact_url(url)}, "
@@ -329,10 +514,16 @@ def ballast_sweep(
     timed_out = False
     try:
         ensure_baseline(study, sweep, recorder)
-        if workers == 1:
+        deadline = {DEADLINE_ENV: str(time.time() + timeout_s)} if timeout_s else {}  # for workers elsewhere
+        if on_nodes:
+            run_on_nodes(study, spec, recorder, url, workers, deadline)
+            timed_out = bool(timeout_s) and n_done(study) < target(study)
+        elif workers == 1:
             timed_out = run_worker(study, sweep, recorder, timeout_s=timeout_s).timed_out
-        elif any(codes := spawn_workers(study.study_name, url, workers)):
-            print(f"worker exit codes: {codes}")
+        else:
+            if any(codes := spawn_workers(study.study_name, url, workers, deadline)):
+                print(f"worker exit codes: {codes}")
+            timed_out = bool(timeout_s) and n_done(study) < target(study)
     except SweepWorkerError:
         summary_task(study, sweep, recorder, url)  # what the trials so far found, then the error
         raise
@@ -355,7 +546,9 @@ def ballast_sweep_worker(
     if trials is not None:
         st.set_user_attr(TRIALS_ATTR, int(trials))
     ensure_baseline(st, sweep, recorder, label=f"[worker {worker}] ")  # created with --workers 0: not measured yet
-    run_worker(st, sweep, recorder, label=f"[worker {worker}] ")
+    deadline = os.environ.get(DEADLINE_ENV)  # the `ballast sweep --timeout` that started this worker
+    left = None if deadline is None else max(0.0, float(deadline) - time.time())
+    run_worker(st, sweep, recorder, label=f"[worker {worker}] ", timeout_s=left)
     if summary and n_done(st) >= target(st):
         return summary_task(st, sweep, recorder, storage)
     return None
