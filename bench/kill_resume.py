@@ -96,10 +96,14 @@ def checks(project: Path, reference: dict, steps: int, bucket: str, s3) -> dict[
     run_id = run_dir.name
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     local = {m["step"]: m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
-    keys = [k for k in client.get_run(run_id).data.metrics if not k.startswith(("eval/", "probe/"))]
+    from tasks.record import HEADLINE, HEADLINE_KEYS
+
+    copied = {HEADLINE + name: source for source, name in HEADLINE_KEYS.items()}  # `_headline/x` copies a metric
+    per_step = [k for k in client.get_run(run_id).data.metrics if not copied.get(k, k).startswith(("eval/", "probe/"))]
     once, same = True, True
-    for key in keys:
-        history = client.get_metric_history(run_id, key)
+    for mlflow_key in per_step:
+        key = copied.get(mlflow_key, mlflow_key)
+        history = client.get_metric_history(run_id, mlflow_key)
         logged = sorted(s for s, m in local.items() if isinstance(m.get(key), (int, float)) and m[key] == m[key])
         counts = Counter(h.step for h in history)
         once &= sorted(counts) == logged and set(counts.values()) <= {1}
