@@ -72,7 +72,7 @@ from sweeps.study import (
 from tasks.eval import eval_baseline
 from tasks.fork import fork
 from tasks.record import SweepRecorder, store_uri
-from tasks.remote import LineRelay, node_name, node_spec, write_node_spec
+from tasks.remote import LineRelay, NodeChoice, node_name, node_spec, write_node_spec
 from tasks.spec import validate_spec
 from tasks.train import Callbacks, RunInterrupted
 
@@ -495,8 +495,27 @@ def ballast_sweep(
     storage: str | None = None,
     overrides: list[str] | None = None,
     timeout_s: float | None = None,
+    node: NodeChoice | None = None,
 ) -> SweepSummary | None:
-    sweep = load_sweep(sweep_path, overrides or [])
+    """An Optuna sweep of pipeline runs against the base model's score (the Run form of the `ballast-sweep`
+    deployment; the CLI's `ballast sweep` runs the same flow).
+
+    Args:
+        sweep_path: Path of the sweep YAML, relative to the checkout the worker runs from, e.g. examples/sweep.yaml.
+        trials: The study's total of finished trials (the sweep file's `trials` when left empty); a study that has
+            them already ends at once.
+        workers: Workers running trials at once: 1 runs them in this flow; K > 1 starts K workers, each on a node
+            of its own when the base spec's infra.compute is local or skypilot; 0 only creates the study.
+        storage: Optuna storage URL shared by the workers, e.g. postgresql://user@db.internal/sweeps (the password
+            in PGPASSWORD, never in the URL); the project folder's SQLite file when left empty.
+        overrides: Base-spec fields to change for a new study, one "key.path=value" string each, e.g.
+            optim.steps=24 (the CLI's --set).
+        timeout_s: Seconds after which no trial starts; the trials running then finish.
+        node: Where the trials' GPU stages run (infra.*): e.g. compute skypilot, accelerators H100:1, use_spot; the
+            base spec's infra section when left empty.
+    """
+    overrides = [*(node.overrides() if node else []), *(overrides or [])]
+    sweep = load_sweep(sweep_path, overrides)
     url = study_storage(sweep, storage)
     spec = validate_spec(base_spec(sweep), "sweep base spec")
     on_nodes = workers >= 1 and spec.infra.compute != "here"

@@ -128,7 +128,7 @@ def test_sweep_deployments_take_the_sweep_file_and_a_shared_study(deployed):
     sweep, worker = deployments["ballast-sweep"], deployments["ballast-sweep-worker"]
     assert sweep.parameters == {"sweep_path": "examples/sweep.yaml", "workers": 1} and sweep.schedules == []
     properties = set(sweep.parameter_openapi_schema["properties"])
-    assert {"sweep_path", "trials", "workers", "storage", "overrides", "timeout_s"} == properties
+    assert {"sweep_path", "trials", "workers", "storage", "overrides", "timeout_s", "node"} == properties
     assert set(worker.parameter_openapi_schema["required"]) == {"study", "storage"}
 
 
@@ -156,6 +156,22 @@ def test_pipeline_deployment_runs_from_this_checkout(deployed):
     assert pipeline.pull_steps == [
         {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO.resolve())}}
     ]
+
+
+def test_the_sweep_run_form_has_described_parameters_and_the_node_choice():
+    """The sweep's Run form, as `prefect deploy` builds it: each field described, `node` the pipeline's typed choice."""
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.sweep import ballast_sweep
+
+    schema = parameter_schema(ballast_sweep).model_dump()
+    form = schema["properties"]
+    assert list(form) == ["sweep_path", "trials", "workers", "storage", "overrides", "timeout_s", "node"]
+    assert all(field.get("description") for field in form.values())
+    assert "PGPASSWORD" in form["storage"]["description"] and '"key.path=value"' in form["overrides"]["description"]
+    choice = schema["definitions"]["NodeChoice"]["properties"]
+    assert {"compute", "accelerators", "use_spot", "cloud", "num_nodes"} == set(choice)
+    assert choice["compute"]["anyOf"][0]["enum"] == ["here", "local", "skypilot"]
 
 
 def test_the_pipeline_run_form_has_described_parameters_and_nothing_internal():
