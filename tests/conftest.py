@@ -9,6 +9,7 @@ import fcntl
 import hashlib
 import json
 import shutil
+import uuid
 from dataclasses import asdict
 from pathlib import Path
 
@@ -145,6 +146,43 @@ def set_chat_template(path: Path, template: str) -> None:
     config = json.loads((path / "tokenizer_config.json").read_text())
     config["chat_template"] = template
     (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+# ── team paths: Prefect's test server, PostgreSQL ────────────────────────────────────────────────────
+
+PG = "postgresql://postgres@127.0.0.1:5432"  # the machine's PostgreSQL, trust auth
+
+
+@pytest.fixture(scope="module")
+def prefect_api():
+    """Prefect's test harness (a temporary API server and database) for a module; yields its API URL."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield PREFECT_API_URL.value()
+
+
+def postgres_database(prefix: str):
+    """Yield the URL of a new database on the local PostgreSQL, dropped after (use with `yield from` in a fixture)."""
+    import psycopg2  # a dependency of Ballast (psycopg2-binary); the team path is tested, never skipped
+
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    try:
+        conn = psycopg2.connect(f"{PG}/postgres", connect_timeout=5)
+    except psycopg2.OperationalError as e:
+        raise RuntimeError(
+            f"the team-path tests need PostgreSQL on 127.0.0.1:5432 with trust auth (see the README): {e}"
+        ) from None
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute(f"CREATE DATABASE {name}")
+    try:
+        yield f"{PG}/{name}"
+    finally:
+        with conn.cursor() as cur:
+            cur.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        conn.close()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -47,15 +47,6 @@ def node_spec_dict(tiny_model, project: Path, **changes) -> dict:
     )
 
 
-@pytest.fixture(scope="module")
-def prefect_api():
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield PREFECT_API_URL.value()
-
-
 def task_run_names(flow_run_id) -> list[str]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId

@@ -19,15 +19,6 @@ from mlflow.tracking import MlflowClient
 from tests.conftest import tiny_spec
 
 
-@pytest.fixture(scope="module")
-def prefect_api():
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield PREFECT_API_URL.value()
-
-
 def ballast(*args) -> int:
     from flows.cli import main
 

@@ -25,15 +25,6 @@ from tests.conftest import REPO, tiny_spec
 HEALTHY_LR, COLLAPSE_LR, OTHER_LR = 1e-3, 0.8, 3e-3
 
 
-@pytest.fixture(scope="module")
-def prefect_api():
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield PREFECT_API_URL.value()
-
-
 def sweep_file(path, tiny_model, project, **fields):
     """A sweep over the learning rate of 4-step trials on the tiny model (base spec inline)."""
     base = tiny_spec(

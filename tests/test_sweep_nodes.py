@@ -8,7 +8,6 @@ SkyPilot side is tested up to its SDK: the worker's task, validated by SkyPilot'
 import contextlib
 import io
 import json
-import uuid
 from datetime import datetime, timedelta
 
 import mlflow
@@ -17,40 +16,16 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import tiny_spec
+from tests.conftest import PG, postgres_database, tiny_spec
 
-PG = "postgresql://postgres@127.0.0.1:5432"
 N_TRIALS = 3
 STUDY = "node-sweep"
 
 
 @pytest.fixture(scope="module")
 def database():
-    import psycopg2  # the team path is tested, never skipped
-
-    name = f"ballast_nodes_{uuid.uuid4().hex[:10]}"
-    try:
-        conn = psycopg2.connect(f"{PG}/postgres", connect_timeout=5)
-    except psycopg2.OperationalError as e:
-        raise RuntimeError(
-            f"the team-path tests need PostgreSQL on 127.0.0.1:5432 with trust auth (see the README): {e}"
-        ) from None
-    conn.autocommit = True
-    with conn.cursor() as cur:
-        cur.execute(f"CREATE DATABASE {name}")
-    yield f"{PG}/{name}"
-    with conn.cursor() as cur:
-        cur.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-    conn.close()
-
-
-@pytest.fixture(scope="module")
-def prefect_api():
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield PREFECT_API_URL.value()
+    """A fresh PostgreSQL database for the study, dropped after."""
+    yield from postgres_database("ballast_nodes")
 
 
 def write_sweep(path, base: dict, trials: int = N_TRIALS):

@@ -6,7 +6,6 @@ or lost, each with exactly one MLflow child run under the sweep's parent run.
 import os
 import subprocess
 import sys
-import uuid
 
 import mlflow
 import optuna
@@ -14,39 +13,15 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import REPO, tiny_spec
+from tests.conftest import REPO, postgres_database, tiny_spec
 
-PG = "postgresql://postgres@127.0.0.1:5432"
 N_TRIALS = 4
 
 
 @pytest.fixture
 def database():
-    import psycopg2  # a dependency of Ballast (psycopg2-binary); the team path is tested, never skipped
-
-    name = f"ballast_sweep_{uuid.uuid4().hex[:10]}"
-    try:
-        conn = psycopg2.connect(f"{PG}/postgres", connect_timeout=5)
-    except psycopg2.OperationalError as e:
-        raise RuntimeError(
-            f"the team-path tests need PostgreSQL on 127.0.0.1:5432 with trust auth (see the README): {e}"
-        ) from None
-    conn.autocommit = True
-    with conn.cursor() as cur:
-        cur.execute(f"CREATE DATABASE {name}")
-    yield f"{PG}/{name}"
-    with conn.cursor() as cur:
-        cur.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-    conn.close()
-
-
-@pytest.fixture(scope="module")
-def prefect_api():
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield PREFECT_API_URL.value()
+    """A fresh PostgreSQL database for the study, dropped after."""
+    yield from postgres_database("ballast_sweep")
 
 
 def test_two_workers_on_postgres_complete_a_study_without_duplicated_or_lost_trials(
