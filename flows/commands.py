@@ -795,7 +795,7 @@ def cmd_ui(args) -> int:
     for name, (env, argv) in commands.items():  # what runs, as a command that can be pasted into a shell
         print(f"{name:<8} {' '.join(f'{k}={shlex.quote(v)}' for k, v in env.items())} {shlex.join(argv)}")
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops both UIs, as Ctrl-C does
-    from flows.runtime import spawn_in_own_session
+    from flows.runtime import spawn_in_own_session, stop_sessions
 
     procs = {  # in sessions of their own: a terminal's Ctrl-C reaches this process, which stops them in order
         name: spawn_in_own_session(
@@ -810,10 +810,7 @@ def cmd_ui(args) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-                proc.wait(timeout=30)
+        stop_sessions(list(procs.values()))  # both at once; SIGKILL to what still runs after 10 s
 
 
 def _refuse_taken_port(host: str, port: int, flag: str) -> None:

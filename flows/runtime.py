@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -165,9 +166,26 @@ def stop() -> None:
     server, _server = _server, None
     if server is None or server.poll() is not None:
         return
-    server.terminate()
+    stop_sessions([server])
+
+
+def stop_sessions(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """Stop servers started by `spawn_in_own_session`: SIGTERM to each one's whole session at once, then SIGKILL to
+    whatever still runs after `grace_s` (a server has nothing to save that its SIGTERM would keep)."""
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        _signal_session(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in running:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_session(p, signal.SIGKILL)
+            p.wait()
+
+
+def _signal_session(proc: subprocess.Popen, signum: int) -> None:
     try:
-        server.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        server.wait()
+        os.killpg(proc.pid, signum)  # its own session: the server and any workers it started
+    except ProcessLookupError:
+        pass

@@ -530,19 +530,9 @@ def ballast_sweep(
     if workers == 0:
         print(f"study created; join it with:  ballast sweep-worker --study {study.study_name} --storage {url}")
         return None
-    timed_out = False
     try:
         ensure_baseline(study, sweep, recorder)
-        deadline = {DEADLINE_ENV: str(time.time() + timeout_s)} if timeout_s else {}  # for workers elsewhere
-        if on_nodes:
-            run_on_nodes(study, spec, recorder, url, workers, deadline)
-            timed_out = bool(timeout_s) and n_done(study) < target(study)
-        elif workers == 1:
-            timed_out = run_worker(study, sweep, recorder, timeout_s=timeout_s).timed_out
-        else:
-            if any(codes := spawn_workers(study.study_name, url, workers, deadline)):
-                print(f"worker exit codes: {codes}")
-            timed_out = bool(timeout_s) and n_done(study) < target(study)
+        timed_out = run_trials(study, sweep, spec, recorder, url, workers, timeout_s, on_nodes)
     except SweepWorkerError:
         summary_task(study, sweep, recorder, url)  # what the trials so far found, then the error
         raise
@@ -550,6 +540,18 @@ def ballast_sweep(
         recorder.interrupted()
         raise
     return summary_task(study, sweep, recorder, url, timed_out)
+
+
+def run_trials(study, sweep, spec, recorder: SweepRecorder, url: str, workers: int, timeout_s, on_nodes: bool) -> bool:
+    """The trials, here (one worker), in K worker processes here, or on K nodes; whether --timeout ended them."""
+    deadline = {DEADLINE_ENV: str(time.time() + timeout_s)} if timeout_s else {}  # for workers elsewhere
+    if on_nodes:
+        run_on_nodes(study, spec, recorder, url, workers, deadline)
+    elif workers == 1:
+        return run_worker(study, sweep, recorder, timeout_s=timeout_s).timed_out
+    elif any(codes := spawn_workers(study.study_name, url, workers, deadline)):
+        print(f"worker exit codes: {codes}")
+    return bool(timeout_s) and n_done(study) < target(study)
 
 
 @flow(name="ballast-sweep-worker", persist_result=False)

@@ -68,13 +68,13 @@ class JudgeServer:
                     )
                     server.in_flight += 1
                     server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                self.in_flight = True
                 try:
                     server.answer(self, behaviour, json.loads(raw))
                 except (BrokenPipeError, ConnectionResetError):
                     pass
                 finally:
-                    with server.lock:
-                        server.in_flight -= 1
+                    server.answered(self)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
@@ -103,6 +103,7 @@ class JudgeServer:
             self._send(handler, 200, json.dumps({"result": "ok"}).encode())
         elif kind == "trickle":
             payload = chat_completion(json.dumps(length_scores(body)))
+            self.answered(handler)
             handler.send_response(200)
             handler.send_header("Content-Type", "application/json")
             handler.send_header("Content-Length", str(len(payload)))
@@ -115,8 +116,16 @@ class JudgeServer:
         else:  # ok, slow
             self._send(handler, 200, chat_completion(json.dumps(length_scores(body))))
 
-    @staticmethod
-    def _send(handler, code: int, payload: bytes, headers: dict | None = None) -> None:
+    def answered(self, handler) -> None:
+        """The request no longer counts as in flight: from the moment its answer starts (the client may send its next
+        request as soon as it has read the answer, before the handler's thread returns)."""
+        with self.lock:
+            if handler.in_flight:
+                handler.in_flight = False
+                self.in_flight -= 1
+
+    def _send(self, handler, code: int, payload: bytes, headers: dict | None = None) -> None:
+        self.answered(handler)
         handler.send_response(code)
         handler.send_header("Content-Type", "application/json")
         handler.send_header("Content-Length", str(len(payload)))
