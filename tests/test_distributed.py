@@ -312,7 +312,43 @@ def test_a_rank_that_dies_stops_the_others_with_one_line_naming_it(capfd):
     line = [x for x in err.splitlines() if x.startswith("rank 1 of 2 failed")]
     assert line == ["rank 1 of 2 failed (exit status 7); the other rank (0) stopped"], err
     assert "was not stopped" not in out + err
-    assert "rank 0: lost the other ranks" in err  # rank 0 failed in its collective instead of hanging
+    # rank 0 was stopped either by its failed collective or by the agent's SIGTERM, whichever came first (a race the
+    # next test takes the agent out of)
+
+
+def test_a_rank_whose_peer_died_fails_its_collective_with_lost_exit_instead_of_hanging(tmp_path):
+    """Without torchrun's agent (which SIGTERMs the survivors as soon as one rank fails), the surviving rank's
+    collective fails on the closed connection and stop_when_others_are_lost ends it with LOST_EXIT and one line."""
+    import subprocess
+    import sys
+
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", DIES],
+                env=env,
+                cwd=Path(__file__).parent.parent,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert procs[1].returncode == 7, outs[1]
+    assert procs[0].returncode == dd.LOST_EXIT, outs[0]  # not a hang until the 30 s timeout killed it
+    assert "rank 0: lost the other ranks" in outs[0][1]
+    assert "was not stopped" not in outs[0][0] + outs[1][0]
 
 
 # ------------------------------------------------------------------------ refused before the model loads

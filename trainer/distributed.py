@@ -111,6 +111,10 @@ def stop_when_others_are_lost():
                 f"rank {os.environ.get('RANK', '?')}: lost the other ranks ({str(e).splitlines()[0][:160]})",
                 file=sys.stderr,
             )
+            try:  # else gloo's pair threads abort the interpreter at exit (SIGABRT instead of LOST_EXIT)
+                dist.destroy_process_group()
+            except Exception:
+                pass
             raise SystemExit(LOST_EXIT) from None
         raise
 
