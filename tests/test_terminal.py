@@ -10,6 +10,8 @@ import os
 import pty
 import re
 import select
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +34,11 @@ class Terminal:
         environment.update(env or {}, TERM="xterm", COLUMNS="120")
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: a session leader whose controlling terminal is the pty
+            # started as a shell starts a command: no signal blocked, SIGINT/SIGTERM/SIGQUIT at their defaults
+            # (whatever an earlier test left in this worker process does not reach it)
+            signal.pthread_sigmask(signal.SIG_SETMASK, [])
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT):
+                signal.signal(sig, signal.SIG_DFL)
             os.chdir(cwd)
             os.execve(sys.executable, [sys.executable, "-c", CLI, *args], environment)
         self.raw, self.status = b"", None
@@ -53,9 +60,22 @@ class Terminal:
     def wait(self, timeout: float = WAIT_S) -> int:
         deadline = time.monotonic() + timeout
         while self.status is None:
-            assert time.monotonic() < deadline, f"still running after {timeout} s:\n{self.text[-3000:]}"
+            assert time.monotonic() < deadline, f"still running after {timeout} s:\n{self.text[-3000:]}{self.state()}"
             self._read(0.2)
         return self.status
+
+    def state(self) -> str:
+        """What the command and its children are doing (for a failure's message): each one's state, wait channel
+        and signal masks."""
+        ps = subprocess.run(
+            ["ps", "-eo", "pid,ppid,pgid,sid,stat,wchan:24,etimes,args", "--forest"], capture_output=True, text=True
+        ).stdout
+        try:
+            status = Path(f"/proc/{self.pid}/status").read_text()
+        except OSError as e:
+            status = str(e)
+        mine = [x for x in status.splitlines() if x.startswith(("State", "Sig", "Shd"))]
+        return "\n--- the command's /proc status:\n" + "\n".join(mine) + "\n--- ps:\n" + ps[-6000:]
 
     def _read(self, seconds: float) -> bool:
         ready, _, _ = select.select([self.fd], [], [], seconds)
