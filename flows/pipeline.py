@@ -154,20 +154,7 @@ def run_stages(
             outcome = train_stage(spec, run, view, callbacks or [], node)
             watch.record(outcome)
             outcome.raise_if_interrupted()
-        with watch.stage("checkpoint"):
-            saved, keep = run.output_dir / "checkpoints", spec.checkpoint.keep_last
-            checkpoints = checkpoint_task(run.store, run.checkpoint_prefix, saved, keep, run.run_id)
-            watch.record(checkpoints)
-        if spec.probe.enabled:
-            with watch.stage("artifact-probe"):
-                for report in probe_stage(spec, run, view, checkpoints, node):
-                    watch.record(report)
-        with watch.stage("eval"):
-            evaluation = eval_stage(spec, run, view, checkpoints, node)
-            watch.record(evaluation)
-        result = run.finish(outcome, checkpoints, evaluation)
-        view.finished(result)
-        return final_state(result)
+        return final_state(after_training(spec, run, watch, outcome, node))
     except (RunInterrupted, KeyboardInterrupt, TerminationSignal) as e:  # SIGTERM, Ctrl-C: KILLED, and Cancelled
         stop = run.interrupted(e)
         return Cancelled(name="Interrupted", message=str(stop), data=stop)
@@ -181,6 +168,26 @@ def run_stages(
         if node is not None:  # always: success, failure, cancellation, Ctrl-C (SkyPilot's autodown if we die)
             teardown_task(node.compute)
             view.say(record_usage(run, node.compute.usage()))
+
+
+def after_training(spec: ExperimentSpec, run: RunRecorder, watch: Watch, outcome, node: Node | None = None):
+    """checkpoint → artifact-probe → eval after the train stage, then the run's verdict: its PipelineResult (a
+    sweep's concurrent trials, flows/sweep.py, end through here too)."""
+    view = watch.view
+    with watch.stage("checkpoint"):
+        saved, keep = run.output_dir / "checkpoints", spec.checkpoint.keep_last
+        checkpoints = checkpoint_task(run.store, run.checkpoint_prefix, saved, keep, run.run_id)
+        watch.record(checkpoints)
+    if spec.probe.enabled:
+        with watch.stage("artifact-probe"):
+            for report in probe_stage(spec, run, view, checkpoints, node):
+                watch.record(report)
+    with watch.stage("eval"):
+        evaluation = eval_stage(spec, run, view, checkpoints, node)
+        watch.record(evaluation)
+    result = run.finish(outcome, checkpoints, evaluation)
+    view.finished(result)
+    return result
 
 
 def train_stage(spec: ExperimentSpec, run: RunRecorder, view: PipelineView, callbacks: list, node: Node | None):
@@ -241,9 +248,12 @@ class Watch:
         self.run, self.view = run, view
 
     @contextmanager
-    def stage(self, name: str):
-        self.view.stage_started(name)
-        started = time.perf_counter()
+    def stage(self, name: str, started: float | None = None):
+        """The stage's records and lines around the block; `started` (perf_counter): it began earlier, and its start
+        was told then (a concurrent trial's train stage)."""
+        if started is None:
+            self.view.stage_started(name)
+            started = time.perf_counter()
         try:
             with self.run.stage(name):
                 yield

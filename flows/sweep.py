@@ -46,35 +46,45 @@ import optuna
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
+from prefect.exceptions import TerminationSignal
+from prefect.logging import get_run_logger
 
-from flows.pipeline import provision_task, run_pipeline, teardown_task
+from flows.pipeline import Watch, after_training, open_run, provision_task, run_pipeline, teardown_task
+from flows.view import PipelineView, flow_run_link
 from infra.compute import Compute, LocalCompute, SkyPilotCompute, StageExit, Usage, sky_plan, sky_task, urlhost
 from sweeps.baseline import BASELINE_ATTR, Baseline, load_baseline
+from sweeps.pruning import TrialPruning
 from sweeps.report import SweepSummary, describe_gain, format_values, plot_study, summarize, trial_row
-from sweeps.space import base_spec, load_sweep
+from sweeps.space import SweepError, base_spec, check_concurrent_sweep, load_sweep
 from sweeps.study import (
     COMPUTE_ATTR,
     LOOPBACK,
     NODE_ATTR,
     TRIALS_ATTR,
+    AskTell,
     SweepWorkerError,
     check_worker_placement,
     join_study,
+    judge_trial,
     make_storage,
     n_done,
     open_study,
     optimize,
+    prepare_trial,
     redact_url,
     run_trial,
     study_storage,
     target,
 )
+from tasks.checkpoint import CheckpointUploader
 from tasks.eval import eval_baseline
 from tasks.fork import fork
-from tasks.record import SweepRecorder, store_uri
+from tasks.metrics_sink import TrackingUnavailable
+from tasks.record import RunRecorder, SweepRecorder, store_uri
 from tasks.remote import LineRelay, NodeChoice, node_name, node_spec, write_node_spec
-from tasks.spec import validate_spec
-from tasks.train import Callbacks, RunInterrupted
+from tasks.spec import ExperimentSpec, validate_spec
+from tasks.summary import PipelineResult
+from tasks.train import Callbacks, ConcurrentTraining, RunInterrupted, TrainJob, TrainOutcome
 
 CLI = "import sys; from flows.cli import main; sys.exit(main())"
 NODE_ENV = "BALLAST_SWEEP_NODE"  # on a worker node: where its trials keep their files (JSON, `worker_node`)
@@ -179,9 +189,16 @@ def run_worker(study, sweep, recorder: SweepRecorder, label: str = "", timeout_s
     started = time.perf_counter()
     node = json.loads(os.environ.get(NODE_ENV) or "null")  # this worker runs on a node the sweep provisioned
 
+    def on_trial(st, frozen) -> None:
+        recorder.record_trial(st, frozen)
+        print(label + trial_line(frozen), flush=True)
+        print(label + sweep_line(st, sweep, time.perf_counter() - started), flush=True)
+
+    if sweep.concurrent_trials > 1:
+        return run_concurrent(study, sweep, recorder, on_trial, label, timeout_s, node)
+
     def run_fn(spec, callbacks, trial):
-        metric = sweep.objectives[0].key if sweep.objectives[0].key.startswith("eval/") else "eval/reward"
-        progress = TrialProgress(trial.number, spec.optim.steps, label, metric=metric)
+        progress = TrialProgress(trial.number, spec.optim.steps, label, metric=progress_metric(sweep))
         if node:  # the trial trains here, on this node: it never provisions another
             spec = node_spec(spec, node["tracking_uri"], node["store_uri"], node["project_dir"])
         try:
@@ -200,11 +217,6 @@ def run_worker(study, sweep, recorder: SweepRecorder, label: str = "", timeout_s
             if spec.infra.compute != "here":  # the trial's train stage had a node of its own: what it used
                 keep_trial_usage(trial, recorder)
 
-    def on_trial(st, frozen) -> None:
-        recorder.record_trial(st, frozen)
-        print(label + trial_line(frozen), flush=True)
-        print(label + sweep_line(st, sweep, time.perf_counter() - started), flush=True)
-
     return optimize(
         study,
         lambda trial: run_trial(trial, sweep, run_fn),
@@ -213,6 +225,146 @@ def run_worker(study, sweep, recorder: SweepRecorder, label: str = "", timeout_s
         log=lambda m: print(label + m, flush=True),
         timeout_s=timeout_s,
     )
+
+
+def progress_metric(sweep) -> str:
+    """The held-out score a trial's progress line shows: the objective's, when it is one."""
+    return sweep.objectives[0].key if sweep.objectives[0].key.startswith("eval/") else "eval/reward"
+
+
+# ------------------------------------------------------------------------------------------ trials at once
+
+
+def run_concurrent(study, sweep, recorder: SweepRecorder, on_trial, label: str, timeout_s, node):
+    """`sweep.concurrent_trials` trials at a time in this process: LoRA adapters trained over one base model, their
+    rollouts sampled in one engine call (tasks/train.py ConcurrentTraining, trainer/multi.py), the trials asked and
+    told through Optuna's ask-and-tell interface (sweeps/study.py AskTell). A trial that ends — finished, collapsed,
+    pruned or failed — is recorded and judged at once and the next asked trial takes its slot, until the study has
+    its total or the budget is spent.
+
+    What a trial leaves is a sequential trial's: the same Optuna values, state and user attrs (pruning through the
+    same TrialPruning and verdict), an MLflow trial run with the same params, tags, metrics and artifacts (the fork,
+    checkpoint, artifact-probe and eval stages are the pipeline's own, flows/pipeline.py `open_run` and
+    `after_training`: the final eval reloads the checkpoint from the store in a fresh model), the same lines on the
+    terminal. What differs: no `ballast-pipeline` flow run per trial — the trials live in this worker's flow run,
+    whose log carries their stage lines prefixed `trial N:`, their fork/checkpoint/probe/eval as task runs in it and
+    their training as none (it runs interleaved, outside any task); the MLflow run's Prefect link is the worker's
+    flow run; progress lines are printed every few steps, never redrawn in place; a trial's metrics equal a lone
+    run's within trainer/multi.py's tolerance (bit-identical when its loss reads no engine logprobs). A trial whose
+    base spec trains on a node of its own (infra.compute) is refused: run the workers on nodes instead."""
+    check_concurrent_sweep(sweep, f"study {study.study_name}")  # joined by name: its file was not loaded here
+    compute = validate_spec(base_spec(sweep), "sweep base spec").infra.compute
+    if node is None and compute != "here":
+        raise SweepError(
+            f"study {study.study_name}: field 'concurrent_trials': {sweep.concurrent_trials} trials at once train "
+            f"in this worker, but infra.compute is {compute!r}; start the workers on nodes (ballast sweep --workers "
+            "K) or set concurrent_trials: 1"
+        )
+    training = ConcurrentTraining(sweep.concurrent_trials)
+    failures = sweep.max_consecutive_failures
+    loop = AskTell(study, [on_trial], failures, log=lambda m: print(label + m, flush=True), timeout_s=timeout_s)
+    running: dict[str, OpenTrial] = {}
+
+    def jobs(asked):
+        for trial in asked:
+            try:
+                t = open_trial(trial, sweep, recorder, label, node)
+            except Exception as e:  # the fork refused, the store down: the trial fails, as its pipeline run would
+                loop.tell(trial, _raising(e))
+                continue
+            running[t.job.name] = t
+            yield t.job
+
+    def on_end(job: TrainJob, outcome: TrainOutcome | None, error: BaseException | None) -> None:
+        t = running.pop(job.name)
+        loop.tell(t.trial, lambda trial: judge_trial(trial, sweep, t.spec, end_trial(t, outcome, error)))
+
+    try:
+        return loop.run(lambda asked: training.run(jobs(asked), on_end))
+    except BaseException as e:  # a second Ctrl-C, an error of the spec: the trials still running end with it
+        for t in list(running.values()):
+            abandon_trial(t, loop, e)
+        raise
+
+
+@dataclass
+class OpenTrial:
+    """A trial training among others in this worker: its Optuna trial, spec, MLflow run, and what watches it."""
+
+    trial: optuna.Trial
+    spec: ExperimentSpec
+    run: RunRecorder
+    watch: Watch
+    progress: TrialProgress
+    job: TrainJob
+    started: float = field(default_factory=time.perf_counter)
+
+
+def open_trial(trial, sweep, recorder: SweepRecorder, label: str, node) -> OpenTrial:
+    """Ask the trial for its values and open its MLflow run as a pipeline run opens one (the fork verified first);
+    its train job with the callbacks a pipeline run's train stage gets, Optuna's pruning among them."""
+    spec = prepare_trial(trial, sweep)
+    if node:  # the worker runs on a node the sweep provisioned: the trial's records go to the flow's stores
+        spec = node_spec(spec, node["tracking_uri"], node["store_uri"], node["project_dir"])
+    view = PipelineView(spec.optim.steps, terminal=False, log=_Prefixed(get_run_logger(), f"trial {trial.number}: "))
+    tags = {**recorder.trial_tags(trial.number, dict(trial.params)), **flow_run_link()}
+    run = open_run(spec, view, None, recorder.parent_run_id, tags)
+    view.say(f"MLflow run {run.name}: {run.url}", terminal=False)
+    view.stage_started("train")
+    progress = TrialProgress(trial.number, spec.optim.steps, label, metric=progress_metric(sweep))
+    progress.tty = False  # N trials' lines at once: each its own line, none redrawn over another's
+    uploader = CheckpointUploader(run.store, run.checkpoint_prefix)
+    callbacks = [run.metrics, run.headline, uploader, view, TrialPruning(trial, sweep, spec), progress]
+    job = TrainJob(f"trial-{trial.number}", spec, run.output_dir, callbacks, run.source)
+    return OpenTrial(trial, spec, run, Watch(run, view), progress, job)
+
+
+def end_trial(t: OpenTrial, outcome: TrainOutcome | None, error: BaseException | None) -> PipelineResult:
+    """The trial's train stage recorded, then checkpoint → artifact-probe → eval and the verdict, as its pipeline
+    run's (flows/pipeline.py `run_stages`); its MLflow run failed or interrupted as that run's would be."""
+    t.progress.close()
+    try:
+        with t.watch.stage("train", started=t.started):
+            if error is not None:
+                raise error
+            t.watch.record(outcome)
+            outcome.raise_if_interrupted()
+        return after_training(t.spec, t.run, t.watch, outcome)
+    except (RunInterrupted, KeyboardInterrupt, TerminationSignal) as e:  # SIGTERM, Ctrl-C: stop the sweep
+        raise KeyboardInterrupt(str(t.run.interrupted(e))) from e
+    except TrackingUnavailable as e:
+        raise t.run.metrics.lost(e) from e
+    except BaseException as e:
+        t.run.fail(e)
+        raise
+
+
+def abandon_trial(t: OpenTrial, loop: AskTell, error: BaseException) -> None:
+    """A trial still training when the worker stops: its run interrupted (a signal) or failed, the trial failed."""
+    t.progress.close()
+    signal = not isinstance(error, Exception)
+    try:
+        t.run.interrupted(error) if signal else t.run.fail(error)
+    except Exception as e:  # how the worker stopped is what must come through
+        print(f"trial {t.trial.number}: its MLflow run was not closed: {e}", flush=True)
+    loop.tell(t.trial, _raising(KeyboardInterrupt(str(error)) if signal else error))
+
+
+def _raising(error: BaseException):
+    def objective(trial):
+        raise error
+
+    return objective
+
+
+class _Prefixed:
+    """The worker's run logger, each line prefixed with the trial it is about."""
+
+    def __init__(self, log, prefix: str):
+        self.log, self.prefix = log, prefix
+
+    def info(self, line: str) -> None:
+        self.log.info(self.prefix + line)
 
 
 def keep_trial_usage(trial, recorder: SweepRecorder) -> None:

@@ -16,6 +16,7 @@ A sweep file is YAML (see examples/sweep.yaml):
     sampler: {type: tpe}                 # tpe (default) | random | grid
     pruner: {type: median}               # median | percentile | successive_halving | hyperband | none
     prune_collapsed: true                # a trial whose health gate trips is pruned at once
+    concurrent_trials: 1                 # N > 1: a worker trains N LoRA trials at once over one base model
     trials: 12                           # COMPLETE + PRUNED trials the study should end with
     storage: null                        # default sqlite:///<project_dir>/optuna.db; postgresql://... for a team
     seed: 0
@@ -38,6 +39,12 @@ The choices, on purpose:
 - `prune_collapsed: false` switches the health gate off in the trials, so a collapsing configuration
   runs to its last step and is judged by its objective alone (bench/collapse_pruning.py's
   baseline arm).
+- `concurrent_trials: N` makes each worker run N trials at a time in its one process, as LoRA adapters over one
+  shared frozen base model whose rollouts are sampled in one engine call (trainer/multi.py; flows/sweep.py
+  `run_concurrent` says what else differs from one trial at a time). A sweep that cannot run so — the vllm engine,
+  `rollout.max_off_policy_steps` > 0, a `data.environment`, full fine-tuning (`lora.enabled: false`) in the base
+  spec or anywhere in the space — is refused when the file is loaded (`check_concurrent_sweep`), before any
+  study or model exists. It is not part of the study's definition: a resume may change it.
 """
 
 from __future__ import annotations
@@ -211,6 +218,9 @@ class HeartbeatSpec(_Strict):
     retries: int = Field(1, ge=0, description="Times an interrupted configuration is re-queued.")
 
 
+RUN_FIELDS = {"trials", "storage", "heartbeat", "max_consecutive_failures", "concurrent_trials"}  # not the study's
+
+
 class SweepSpec(_Strict):
     study: str | None = Field(None, description="Optuna study name; default the sweep file's stem.")
     base: str | dict = Field(
@@ -231,6 +241,9 @@ class SweepSpec(_Strict):
     seed: int = 0
     heartbeat: HeartbeatSpec = Field(default_factory=HeartbeatSpec)
     max_consecutive_failures: int = Field(3, ge=1, description="A worker stops after this many failed trials in a row.")
+    concurrent_trials: int = Field(
+        1, ge=1, description="Trials a worker trains at once as LoRA adapters over one base model (1: one at a time)."
+    )
 
     @field_validator("storage")
     @classmethod
@@ -264,7 +277,7 @@ class SweepSpec(_Strict):
 
     def definition(self) -> dict:
         """What a study is bound to: a rerun may change the trial count, storage and heartbeat, not this."""
-        return self.model_dump(mode="json", exclude={"trials", "storage", "heartbeat", "max_consecutive_failures"})
+        return self.model_dump(mode="json", exclude=RUN_FIELDS)
 
 
 # ------------------------------------------------------------------------------------------ loading
@@ -368,6 +381,34 @@ def check_space(sweep: SweepSpec, where: str = "sweep") -> None:
             raise SweepError(
                 f"{where}: field 'trials': {sweep.trials} is more than the {sweep.grid_size()} points of the grid"
             )
+    check_concurrent_sweep(sweep, where, base)
+
+
+def check_concurrent_sweep(sweep: SweepSpec, where: str = "sweep", base: dict | None = None) -> None:
+    """With `concurrent_trials` > 1, the base spec and every edge value of the space must be a trial that can share one
+    base model with the others (trainer/multi.py `check_concurrent`): a SweepError naming the field otherwise —
+    before any study, run or model exists."""
+    if sweep.concurrent_trials == 1:
+        return
+    from trainer.config import InputError
+    from trainer.multi import check_concurrent
+
+    base = base if base is not None else base_spec(sweep)
+    first = trial_spec(sweep, {}, base=base)
+    candidates = [("the base spec", first)] + [
+        (f"space.{key}={value!r}", trial_spec(sweep, {key: value}, base=base))
+        for key, param in sweep.space.items()
+        for value in param.bounds()
+    ]
+    for label, spec in candidates:
+        try:
+            check_concurrent(spec.trainer_config(), first.model, label)
+        except InputError as e:
+            reason = " ".join(str(e).split(": ", 1)[-1].split())  # check_concurrent's 'trial <label>: ' is said here
+            raise SweepError(
+                f"{where}: field 'concurrent_trials': {sweep.concurrent_trials} trials at once cannot run {label}: "
+                f"{reason}"
+            ) from None
 
 
 def _check_field(dotted: str, label: str) -> None:

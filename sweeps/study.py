@@ -34,12 +34,14 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import optuna
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
@@ -247,6 +249,9 @@ def open_study(sweep: SweepSpec, storage: RDBStorage, n_trials: int | None = Non
                 f"'{changed}'; resume it with the sweep file it started with (only trials may change), "
                 "or name a new study"
             )
+        kept = json.loads(stored)
+        if kept.get("concurrent_trials", 1) != sweep.concurrent_trials:  # how trials run, not what: workers read it
+            study.set_user_attr(SWEEP_ATTR, json.dumps({**kept, "concurrent_trials": sweep.concurrent_trials}))
     if [d.name.lower() for d in study.directions] != sweep.directions:
         have = [d.name.lower() for d in study.directions]
         raise SweepError(
@@ -305,10 +310,21 @@ RunFn = Callable[..., "PipelineResult"]
 
 def run_trial(trial: optuna.Trial, sweep: SweepSpec, run_fn: RunFn) -> float | list[float]:
     """Suggest, build the trial's spec, run the pipeline through `run_fn`, judge the outcome."""
+    spec = prepare_trial(trial, sweep)
+    result = run_fn(spec, TrialPruning(trial, sweep, spec), trial)
+    return judge_trial(trial, sweep, spec, result)
+
+
+def prepare_trial(trial: optuna.Trial, sweep: SweepSpec):
+    """Ask the trial for its values (define-by-run); its experiment spec."""
     params = suggest(trial, sweep.space)
     spec = trial_spec(sweep, params, name=f"{sweep.study_name}-trial-{trial.number}")
     trial.set_user_attr("planned_steps", int(spec.optim.steps))  # what pruning saved is measured against this
-    result = run_fn(spec, TrialPruning(trial, sweep, spec), trial)
+    return spec
+
+
+def judge_trial(trial: optuna.Trial, sweep: SweepSpec, spec, result: PipelineResult) -> float | list[float]:
+    """The trial's value(s) from its pipeline result, or optuna.TrialPruned (sweeps/pruning.py `verdict`)."""
     trial.set_user_attr("mlflow_run_id", result.run_id)
     return verdict(trial, result, sweep, spec.health)
 
@@ -352,20 +368,13 @@ def optimize(
     `report.timed_out` says the loop ended for it."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     total = n_trials if n_trials is not None else target(study)
-    poll = poll_s or float(getattr(study._storage, "heartbeat_interval", None) or 5)
-    report, waiting_said = WorkerReport(), False
+    report = WorkerReport()
     tally = _Tally(report, max_consecutive_failures)
     no_room = MaxTrialsCallback(total, states=(*DONE, TrialState.RUNNING))
 
     def claimed(trial: optuna.Trial):
         trial.set_user_attr("worker", WORKER_ID)
-        busy = study.get_trials(deepcopy=False, states=(*DONE, TrialState.RUNNING))
-        ahead = sum(1 for t in busy if t.number < trial.number)
-        if ahead >= total:  # two workers found room for one trial at the same moment: the later one stands down
-            trial.set_user_attr(
-                "not_counted", f"surplus: {ahead} trials were already done or running for a total of {total}"
-            )
-            raise Surplus()
+        _check_surplus(study, trial, total)
         try:
             return objective(trial)
         except (optuna.TrialPruned, KeyboardInterrupt):
@@ -374,6 +383,21 @@ def optimize(
             trial.set_user_attr("error", f"{type(e).__name__}: {e}"[:2000])
             raise
 
+    def run_some() -> None:
+        with _experimental_ok():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            study.optimize(claimed, catch=(Exception,), callbacks=[tally, *callbacks, no_room], timeout=left)
+        if tally.error:
+            raise SweepWorkerError(tally.error)
+
+    return _until_done(study, total, deadline, poll_s, log, report, run_some)
+
+
+def _until_done(study, total: int, deadline, poll_s, log, report: WorkerReport, run_some) -> WorkerReport:
+    """Call `run_some()` while the study lacks its total and the budget lasts; while the rest of the total is running
+    elsewhere, wait for it (it may still fail and leave room). Trials whose worker went silent are failed first."""
+    poll = poll_s or float(getattr(study._storage, "heartbeat_interval", None) or 5)
+    waiting_said = False
     while True:
         with _experimental_ok():
             optuna.storages.fail_stale_trials(study)
@@ -391,11 +415,19 @@ def optimize(
             time.sleep(poll)
             continue
         waiting_said = False
-        with _experimental_ok():
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            study.optimize(claimed, catch=(Exception,), callbacks=[tally, *callbacks, no_room], timeout=left)
-        if tally.error:
-            raise SweepWorkerError(tally.error)
+        run_some()
+
+
+def _check_surplus(study: optuna.Study, trial: optuna.Trial, total: int) -> None:
+    """Surplus when the study had its total done or running before this trial: two workers found room for one
+    trial at the same moment, and the later one stands down."""
+    busy = study.get_trials(deepcopy=False, states=(*DONE, TrialState.RUNNING))
+    ahead = sum(1 for t in busy if t.number < trial.number)
+    if ahead >= total:
+        trial.set_user_attr(
+            "not_counted", f"surplus: {ahead} trials were already done or running for a total of {total}"
+        )
+        raise Surplus()
 
 
 class _Tally:
@@ -406,17 +438,179 @@ class _Tally:
         self.report, self.limit, self.failures, self.error = report, limit, 0, None
 
     def __call__(self, study: optuna.Study, frozen: FrozenTrial) -> None:
+        if self.count(frozen):
+            study.stop()
+
+    def count(self, frozen: FrozenTrial) -> bool:
+        """Note the trial; whether the failures in a row reached the limit (then `error` says so)."""
         if "not_counted" in frozen.user_attrs:
-            return
+            return False
         self.report.ran.append(frozen.number)
         self.report.states[frozen.number] = frozen.state.name
         if frozen.state != TrialState.FAIL:
             self.failures = 0
-            return
+            return False
         self.failures += 1
-        if self.failures >= self.limit:
+        if self.failures >= self.limit and self.error is None:  # trials running beside it may fail after it
             self.error = (
                 f"{self.failures} trials in a row failed; the last (trial {frozen.number}): "
                 f"{frozen.user_attrs.get('error', 'see its MLflow run')}"
             )
-            study.stop()
+            return True
+        return False
+
+
+# ------------------------------------------------------------------------------------------ N trials at a time
+
+
+class AskTell:
+    """`optimize`'s worker loop for trials that run several at a time in this process (`concurrent_trials`), on
+    Optuna's ask-and-tell interface: the caller pulls a trial from `asked()` when a slot is free and hands it back
+    through `tell()` when it ends. What `optimize` does is kept, so a trial ends in the study as it would there: the
+    study's total of COMPLETE + PRUNED trials (counting every worker's, and running ones, so a trial is asked only
+    when there is room for it), the surplus check, the time budget (no trial is asked after it), the stop after
+    `max_consecutive_failures` failed trials in a row (the running ones finish first), the study callbacks after each
+    trial, and heartbeats — one thread writes them for all of this worker's running trials, as `study.optimize`
+    writes one trial's, so a worker that dies leaves trials the next worker fails and re-queues."""
+
+    def __init__(
+        self,
+        study: optuna.Study,
+        callbacks: Sequence[Callable] = (),
+        max_consecutive_failures: int = 3,
+        log: Callable[[str], None] = print,
+        timeout_s: float | None = None,
+        n_trials: int | None = None,
+        poll_s: float | None = None,
+    ):
+        self.study, self.callbacks, self.log, self.poll_s = study, list(callbacks), log, poll_s
+        self.total = n_trials if n_trials is not None else target(study)
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.report = WorkerReport()
+        self.tally = _Tally(self.report, max_consecutive_failures)
+        self.interrupted: str | None = None  # a trial was stopped by a signal: no new trial, the loop ends after
+        self.heartbeats = _Heartbeats(study)
+
+    def run(self, batch: Callable[[Iterator[optuna.Trial]], None]) -> WorkerReport:
+        """`batch(self.asked())` — which runs the trials it pulls and tells each — until the study has its total or
+        the budget is spent; SweepWorkerError after too many failures in a row, KeyboardInterrupt after a trial was
+        interrupted by a signal."""
+
+        def run_some() -> None:
+            batch(self.asked())
+            if self.interrupted:
+                raise KeyboardInterrupt(self.interrupted)
+            if self.tally.error:
+                raise SweepWorkerError(self.tally.error)
+
+        with self.heartbeats:
+            return _until_done(self.study, self.total, self.deadline, self.poll_s, self.log, self.report, run_some)
+
+    def asked(self) -> Iterator[optuna.Trial]:
+        """New trials, one per pull, while the study has room for another and neither the budget, a failure streak
+        nor a signal says stop."""
+        while not (self.tally.error or self.interrupted):
+            if self.deadline is not None and time.monotonic() >= self.deadline:
+                self.report.timed_out = True
+                return
+            c = counts(self.study)
+            if c["COMPLETE"] + c["PRUNED"] + c["RUNNING"] >= self.total:
+                return
+            with warnings.catch_warnings():  # "Heartbeat ... supposed to be used with Study.optimize": written here
+                warnings.filterwarnings("ignore", message="Heartbeat of storage")
+                trial = self.study.ask()
+            trial.set_user_attr("worker", WORKER_ID)
+            self.heartbeats.add(trial)
+            try:
+                _check_surplus(self.study, trial, self.total)
+            except Surplus:
+                self.tell(trial, None)
+                continue
+            yield trial
+
+    def tell(self, trial: optuna.Trial, objective: Callable[[optuna.Trial], Any] | None) -> FrozenTrial:
+        """Judge the ended trial with `objective(trial)` — its value(s), optuna.TrialPruned or an error, as an
+        objective of `optimize` would — and tell the study (None: a surplus trial, failed uncounted); then the
+        callbacks. A KeyboardInterrupt fails the trial, as Optuna does, and stops the loop once the running trials
+        end; nothing raised by `objective` leaves here."""
+        values, state, interrupted = None, None, None
+        try:
+            if objective is None:
+                state = TrialState.FAIL
+            else:
+                values = objective(trial)
+        except optuna.TrialPruned:
+            state = TrialState.PRUNED
+        except KeyboardInterrupt as e:
+            state, interrupted = TrialState.FAIL, str(e) or "interrupted"
+        except Exception as e:
+            trial.set_user_attr("error", f"{type(e).__name__}: {e}"[:2000])
+            state = TrialState.FAIL
+        finally:
+            self.heartbeats.remove(trial)
+        frozen = _tell(self.study, trial, values, state)
+        if interrupted:
+            self.interrupted = interrupted
+            return frozen
+        self.tally.count(frozen)
+        for callback in self.callbacks:
+            callback(self.study, frozen)
+        return frozen
+
+
+def _tell(study: optuna.Study, trial: optuna.Trial, values, state: TrialState | None) -> FrozenTrial:
+    """`study.tell`, the trial stored whatever its sampler says after it: the grid sampler, its grid used up, calls
+    `Study.stop`, which outside `optimize` raises (after the trial's state is stored). The loop ends at the study's
+    total anyway, which the grid's size bounds (sweeps/space.py)."""
+    try:
+        return study.tell(trial, values, state=state)
+    except RuntimeError as e:
+        if "Study.stop" not in str(e):
+            raise
+        return study._storage.get_trial(trial._trial_id)
+
+
+class _Heartbeats:
+    """One thread writing a heartbeat for each of this worker's running trials every heartbeat interval; nothing
+    when the storage has heartbeats off."""
+
+    def __init__(self, study: optuna.Study):
+        self.storage = study._storage
+        with _experimental_ok():
+            on = optuna.storages._heartbeat.is_heartbeat_enabled(self.storage)
+        self.interval = self.storage.get_heartbeat_interval() if on else None
+        self.trial_ids: set[int] = set()
+        self.lock, self.stop = threading.Lock(), threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def __enter__(self) -> _Heartbeats:
+        if self.interval is not None:
+            self.stop.clear()
+            self.thread = threading.Thread(target=self._beat, name="sweep-heartbeats", daemon=True)
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join()
+
+    def add(self, trial: optuna.Trial) -> None:
+        if self.interval is not None:
+            self.storage.record_heartbeat(trial._trial_id)
+            with self.lock:
+                self.trial_ids.add(trial._trial_id)
+
+    def remove(self, trial: optuna.Trial) -> None:
+        with self.lock:
+            self.trial_ids.discard(trial._trial_id)
+
+    def _beat(self) -> None:
+        while not self.stop.wait(self.interval):
+            with self.lock:
+                ids = sorted(self.trial_ids)
+            for trial_id in ids:
+                try:
+                    self.storage.record_heartbeat(trial_id)
+                except Exception as e:  # a missed beat is late, not lost; the next one may get through
+                    warnings.warn(f"could not write trial {trial_id}'s heartbeat: {e}", stacklevel=1)

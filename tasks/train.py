@@ -3,13 +3,16 @@
 The trainer reports through callbacks only (trainer/loop.py): the caller passes the ones that send metrics to
 MLflow (tasks/record.py), upload checkpoints as they are saved (tasks/checkpoint.py) and, in a sweep, report to
 Optuna (sweeps/pruning.py). On a resume the outcome's history joins the steps already in metrics.jsonl.
+
+`ConcurrentTraining` is the train stage of several sweep trials at once: each a LoRA adapter over one shared base
+model (trainer/multi.py), each ending with the TrainOutcome `run_training` would have returned for it.
 """
 
 from __future__ import annotations
 
 import json
 import signal
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +20,7 @@ from tasks.fork import ForkError, ForkSource, fork
 from tasks.spec import ExperimentSpec
 from trainer.loop import Callbacks, GRPOTrainer, RunResult, check_resume
 from trainer.model import ensure_model
+from trainer.multi import ConcurrentTrials, TrialJob, TrialOutcome
 
 
 @dataclass
@@ -176,3 +180,65 @@ def train_alone(
 def ensure_base_model(spec: ExperimentSpec) -> str:
     """The spec's base model, built or converted on first use when its model section says how."""
     return ensure_model(spec.model)
+
+
+# ------------------------------------------------------------------------------------------ several trials at once
+
+
+@dataclass
+class TrainJob:
+    """One trial's train stage: what `run_training` takes (never a resume: a concurrent trial starts fresh)."""
+
+    name: str  # unique among the jobs: the outcome is handed back with its job
+    spec: ExperimentSpec
+    output_dir: Path
+    callbacks: Sequence[Callbacks] = ()
+    fork_source: ForkSource | None = None
+
+
+class ConcurrentTraining:
+    """`run_training` for up to `slots` trials at once over one base model, loaded on the first job and kept across
+    `run` calls. A job is pulled from the iterable when a slot is free; `on_end(job, outcome, error)` is called as
+    each trial ends — its adapter still active — with the TrainOutcome `run_training` would have returned (None
+    when the trial failed before its first step) and the error that ended a failed one (the others go on)."""
+
+    def __init__(self, slots: int):
+        self.runner = ConcurrentTrials(slots)
+
+    def run(
+        self,
+        jobs: Iterable[TrainJob],
+        on_end: Callable[[TrainJob, TrainOutcome | None, BaseException | None], None],
+    ) -> None:
+        started: dict[str, TrainJob] = {}
+
+        def trials() -> Iterator[TrialJob]:
+            for job in jobs:
+                started[job.name] = job
+                source = job.fork_source or ForkSource()
+                yield TrialJob(
+                    job.name,
+                    job.spec.trainer_config(),
+                    Path(job.output_dir),
+                    list(job.callbacks),
+                    init_adapter=source.adapter_dir,
+                    lineage=_lineage(source),
+                )
+
+        def ended(outcome: TrialOutcome, trainer) -> None:
+            job, result = started.pop(outcome.job.name), outcome.result
+            train = None
+            if result is not None and trainer is not None:
+                train = TrainOutcome(
+                    Path(job.output_dir),
+                    result.last_step,
+                    result.stopped,
+                    result.last_checkpoint,
+                    result.history,
+                    sum(m.get("step_time", 0.0) for m in result.history),
+                    result.eval_start,
+                    result.interrupted,
+                )
+            on_end(job, train, outcome.error)
+
+        self.runner.run(trials(), on_end=ended)
