@@ -45,6 +45,7 @@ class TrialPruning(Callbacks):
         self.active = len(sweep.objectives) == 1 and self.metric is not None
         self.use_pruner = self.active and sweep.pruner.type != "none"
         self.last_value: float | None = None
+        self.final_step = spec.optim.steps if spec is not None else None  # a trial that got there has finished
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         if not self.active:
@@ -56,7 +57,9 @@ class TrialPruning(Callbacks):
         self.trial.report(self.last_value, step)
 
     def should_stop(self, step: int, metrics: dict[str, float]) -> str | None:
-        if not self.use_pruner or self.last_value is None or not self.trial.should_prune():
+        if not self.use_pruner or self.last_value is None or step == self.final_step:
+            return None  # pruning a trial at its last step would save nothing and discard its finished result
+        if not self.trial.should_prune():
             return None
         return (
             f"pruned: {self.metric}={self.last_value:.4g} at step {step} is worse than the pruner's threshold "

@@ -202,7 +202,8 @@ class SweepSummary:
     def pruning_line(self) -> str:
         pct = f" ({self.steps_saved / self.planned_steps:.0%})" if self.planned_steps else ""
         return (
-            f"pruning: {self.pruned_by_health_gate} trials collapsed and were pruned, {self.pruned_by_pruner} stopped "
+            f"pruning: {_count(self.pruned_by_health_gate, 'trial')} collapsed and "
+            f"{'was' if self.pruned_by_health_gate == 1 else 'were'} pruned, {self.pruned_by_pruner} stopped "
             f"by the pruner; saved {self.steps_saved} of {self.planned_steps} trial-steps{pct} against running "
             "every trial to its end"
         )
@@ -549,6 +550,10 @@ def _figure_of(ax):
     if isinstance(ax, np.ndarray):
         ax = ax.flat[0]
     return ax.get_figure() if hasattr(ax, "get_figure") else ax.figure
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def format_value(v) -> str:

@@ -268,6 +268,9 @@ def test_cli_run_and_resume_by_run_id(tiny_model, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "MLflow run:" in proc.stdout and "report:" in proc.stdout and ": finished" in proc.stdout
     run_id = proc.stdout.split("run id:")[1].split()[0]
+    assert "ballast.model_uri" in mlflow_client(tmp_path / "proj").get_run(run_id).data.params  # a model logged ...
+    for advice in ("Add type hints to the `predict`", "An input example was not provided"):
+        assert advice not in proc.stdout + proc.stderr  # ... without MLflow's two lines of advice on the terminal
     again = subprocess.run(
         [sys.executable, "-m", "flows.cli", "run", "--resume", run_id, "--project-dir", str(tmp_path / "proj")],
         cwd=REPO,

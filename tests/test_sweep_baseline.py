@@ -131,6 +131,38 @@ def test_pruning_saves_the_steps_pruned_trials_did_not_run(tmp_path):
     assert s.steps_saved == (8 - 3) * 2 + (8 - 4)
     assert s.pruned_by_health_gate == 2 and s.pruned_by_pruner == 1
     assert "saved 14 of 40 trial-steps (35%)" in s.pruning_line()
+    assert s.pruning_line().startswith("pruning: 2 trials collapsed and were pruned, 1 stopped by the pruner")
+    one = summarize(relative_study([0.5, 0.6], collapsed=1), sweep_of(tmp_path))
+    assert one.pruning_line().startswith("pruning: 1 trial collapsed and was pruned, 1 stopped by the pruner")
+
+
+def test_the_pruner_stops_a_trial_at_a_rung_but_never_at_its_last_step(tmp_path):
+    """A trial whose held-out score is the worst at its last eval has still finished: pruning it there would save no
+    step and throw its result away (it was reported PRUNED after 40 of 40 steps)."""
+    from sweeps.pruning import TrialPruning
+    from tasks.spec import validate_spec
+
+    sweep = load_sweep(
+        {
+            **sweep_of(tmp_path).model_dump(mode="json", exclude_none=True),
+            "pruner": {"type": "successive_halving", "min_resource": 4, "reduction_factor": 2},
+        }
+    )
+    spec = validate_spec({"name": "t", "model": {"name_or_path": "m"}, "optim": {"steps": 8}, "eval": {"every": 4}})
+    study = optuna.create_study(direction="maximize", pruner=optuna.pruners.SuccessiveHalvingPruner(4, 2))
+    for score in (0.9, 0.8, 0.7):  # better trials before: a rung at step 4 and at step 8
+        t = study.ask()
+        for step in (4, 8):
+            t.report(score, step)
+            t.should_prune()  # each rung's value is kept when the trial asks the pruner there
+        study.tell(t, score)
+    worst = TrialPruning(study.ask(), sweep, spec)
+    worst.on_step(4, {"eval/reward": 0.1})
+    assert worst.should_stop(4, {}).startswith("pruned: eval/reward=0.1 at step 4 is worse")
+    last = TrialPruning(study.ask(), sweep, spec)
+    last.on_step(8, {"eval/reward": 0.1})
+    assert last.trial.should_prune()  # the pruner would ...
+    assert last.should_stop(8, {}) is None  # ... but step 8 of 8 is the end of the trial
 
 
 def test_importances_wait_for_enough_completed_trials_and_say_how_many(tmp_path):
