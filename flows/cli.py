@@ -298,8 +298,17 @@ def main(argv: list[str] | None = None) -> int:
         return 141
 
 
+# advice from a library that Ballast does not follow on purpose, printed on every run otherwise: the logged model's
+# signature is explicit (tasks/record.py), so MLflow's type-hint and input-example advice (an example would be run
+# through the model at logging time) says nothing to the user. MLflow puts a 'once' filter ahead of any filter of
+# ours while it defines the model class, so these are dropped here, where warnings are shown.
+NOT_SHOWN = ("Add type hints to the `predict` method", "An input example was not provided when logging the model")
+
+
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     """A warning as one line, `warning: ...` (not Python's `file:line: UserWarning:` and the source line under it)."""
+    if any(advice in str(message) for advice in NOT_SHOWN):
+        return ""
     kind = "" if category is UserWarning else f"{category.__name__}: "
     return f"warning: {kind}{' '.join(str(message).split())}\n"
 

@@ -35,7 +35,6 @@ import getpass
 import json
 import tempfile
 import time
-import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -415,11 +414,7 @@ class RunRecorder:
                 [ParamSpec("max_tokens", "long", spec.eval.max_tokens), ParamSpec("temperature", "double", 0.0)]
             ),
         )
-        with mlflow.start_run(run_id=self.run_id), warnings.catch_warnings():  # the caller ends the run
-            # the signature above is explicit: MLflow's advice to infer it from type hints or an example (which it
-            # would run through the model) is two lines of noise on every run's terminal
-            warnings.filterwarnings("ignore", message=".*Add type hints to the `predict` method")
-            warnings.filterwarnings("ignore", message=".*An input example was not provided")
+        with mlflow.start_run(run_id=self.run_id):  # resumes this run for the fluent API; the caller ends it
             info = mlflow.pyfunc.log_model(
                 name=MODEL_NAME,
                 python_model=str(MODEL_CODE),
