@@ -331,33 +331,59 @@ def test_probe_report_of_a_failed_probe_shows_the_failure(browser, tmp_path):
 SPACE = {"grpo.beta": FloatDistribution(1e-3, 0.2, log=True), "lora.r": CategoricalDistribution([4, 8, 16])}
 
 
-def sweep_summary(tmp: Path, complete: int, pruned: int):
+FOUR_KNOBS = {  # examples/sweep.yaml's space: the widest trials table a shipped sweep draws
+    **SPACE,
+    "optim.learning_rate": FloatDistribution(3e-4, 1e-2, log=True),
+    "rollout.repetition_penalty": FloatDistribution(1.0, 1.2),
+}
+PRUNER_REASON = (
+    "pruned: eval/reward=0.4609 at step 10 is worse than the pruner's threshold (SuccessiveHalvingPruner over the "
+    "trials so far)"
+)
+
+
+def sweep_summary(
+    tmp: Path, complete: int, pruned: int, space: dict = SPACE, reason: str | None = None, baseline: bool = False
+):
     from sweeps.report import plot_study, summarize
     from sweeps.space import load_sweep
 
     sweep = load_sweep(REPO / "examples" / "sweep.yaml")
     study = optuna.create_study(study_name=sweep.study_name, direction="maximize")
     study.set_metric_names(["eval/reward"])
+    if baseline:  # the base model's score: each trial's gain over it gets its columns
+        from sweeps.baseline import BASELINE_ATTR, Baseline
+
+        study.set_user_attr(
+            BASELINE_ATTR, Baseline("base model tiny", {"eval/reward": 0.489, "eval/reward_stderr": 0.04}, {}).to_json()
+        )
     for i in range(complete + pruned):
         params = {"grpo.beta": 0.0123456789 * (i + 1), "lora.r": [4, 8, 16][i % 3]}
+        params.update({k: d.low * (1 + 0.0123456789 * i) for k, d in space.items() if k not in params})
         steps = {s: 0.3 + 0.01 * s * (i + 1) for s in range(1, 6)}
         attrs = {"last_step": 5, "mlflow_run_id": f"{i:x}" * 32}
+        if baseline:
+            attrs.update(planned_steps=40, score=0.5 + 0.0712345678 * i, gain=0.0112345 + 0.07 * i, gain_stderr=0.04)
+            attrs["beats_baseline"] = i > 1
         if i < complete:
             study.add_trial(
                 create_trial(
                     params=params,
-                    distributions=SPACE,
+                    distributions=space,
                     value=0.5 + 0.0712345678 * i,
                     intermediate_values=steps,
                     user_attrs=attrs,
                 )
             )
         else:
-            attrs.update(prune_reason="collapsed: kl=3.2 > 1 for 2 consecutive steps", pruned_by="health_gate")
+            attrs.update(
+                prune_reason=reason or "collapsed: kl=3.2 > 1 for 2 consecutive steps",
+                pruned_by="pruner" if reason else "health_gate",
+            )
             study.add_trial(
                 create_trial(
                     params=params,
-                    distributions=SPACE,
+                    distributions=space,
                     state=TrialState.PRUNED,
                     intermediate_values=steps,
                     user_attrs=attrs,
@@ -393,6 +419,19 @@ def test_sweep_summary_is_a_table_of_trials_with_a_column_per_parameter_and_link
         "http://127.0.0.1:5000/#/experiments/1/runs/00000000000000000000000000000000?workflowType=machine_learning"
     )
     assert {"optimization_history", "slice", "parallel_coordinate", "intermediate_values"} <= set(page.images())
+
+
+def test_the_trials_table_of_the_four_knobs_fits_a_1300_pixel_window(browser, tmp_path):
+    """The shipped sweep's four parameters and the pruner's reasons: the table wraps its headers at the dots and the
+    reasons in their column instead of running off the right of the page (a horizontal scroll hid the MLflow links)."""
+    html, _ = sweep_summary(tmp_path, complete=3, pruned=3, space=FOUR_KNOBS, reason=PRUNER_REASON, baseline=True)
+    page = Page(browser, html)
+    page.page.set_viewport_size({"width": 1300, "height": 900})
+    trials = next(i for i in range(page.page.locator("table").count()) if "why it stopped" in page.headers(i))
+    assert {"optim.learning_rate", "rollout.repetition_penalty", "gain over the base model ± 95 %"} <= set(
+        page.headers(trials)
+    )
+    assert page.page.evaluate("document.documentElement.scrollWidth") <= 1300
 
 
 def test_sweep_summary_of_one_completed_trial_draws_no_comparison_plots(browser, tmp_path):
