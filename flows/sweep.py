@@ -55,7 +55,7 @@ from infra.compute import Compute, LocalCompute, SkyPilotCompute, StageExit, Usa
 from sweeps.baseline import BASELINE_ATTR, Baseline, load_baseline
 from sweeps.pruning import TrialPruning
 from sweeps.report import SweepSummary, describe_gain, format_values, plot_study, summarize, trial_row
-from sweeps.space import SweepError, base_spec, check_concurrent_sweep, load_sweep
+from sweeps.space import SweepError, base_spec, check_concurrent_sweep, largest_lora_rank, load_sweep
 from sweeps.study import (
     COMPUTE_ATTR,
     LOOPBACK,
@@ -260,7 +260,7 @@ def run_concurrent(study, sweep, recorder: SweepRecorder, on_trial, label: str, 
             f"in this worker, but infra.compute is {compute!r}; start the workers on nodes (ballast sweep --workers "
             "K) or set concurrent_trials: 1"
         )
-    training = ConcurrentTraining(sweep.concurrent_trials)
+    training = ConcurrentTraining(sweep.concurrent_trials, max_lora_rank=largest_lora_rank(sweep))
     failures = sweep.max_consecutive_failures
     loop = AskTell(study, [on_trial], failures, log=lambda m: print(label + m, flush=True), timeout_s=timeout_s)
     running: dict[str, OpenTrial] = {}
@@ -285,6 +285,8 @@ def run_concurrent(study, sweep, recorder: SweepRecorder, on_trial, label: str, 
         for t in list(running.values()):
             abandon_trial(t, loop, e)
         raise
+    finally:
+        training.close()  # the vLLM server the trials shared, if they started one
 
 
 @dataclass

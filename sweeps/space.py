@@ -395,6 +395,7 @@ def check_concurrent_sweep(sweep: SweepSpec, where: str = "sweep", base: dict | 
 
     base = base if base is not None else base_spec(sweep)
     first = trial_spec(sweep, {}, base=base)
+    first_cfg = first.trainer_config()
     candidates = [("the base spec", first)] + [
         (f"space.{key}={value!r}", trial_spec(sweep, {key: value}, base=base))
         for key, param in sweep.space.items()
@@ -402,13 +403,22 @@ def check_concurrent_sweep(sweep: SweepSpec, where: str = "sweep", base: dict | 
     ]
     for label, spec in candidates:
         try:
-            check_concurrent(spec.trainer_config(), first.model, label)
+            check_concurrent(spec.trainer_config(), first_cfg, label)
         except InputError as e:
             reason = " ".join(str(e).split(": ", 1)[-1].split())  # check_concurrent's 'trial <label>: ' is said here
             raise SweepError(
                 f"{where}: field 'concurrent_trials': {sweep.concurrent_trials} trials at once cannot run {label}: "
                 f"{reason}"
             ) from None
+
+
+def largest_lora_rank(sweep: SweepSpec, base: dict | None = None) -> int:
+    """The largest lora.r a trial of this sweep can take: the size of the vLLM server its concurrent trials share."""
+    base = base if base is not None else base_spec(sweep)
+    ranks = [trial_spec(sweep, {}, base=base).lora.r]
+    if "lora.r" in sweep.space:
+        ranks += [int(v) for v in sweep.space["lora.r"].bounds()]
+    return max(ranks)
 
 
 def _check_field(dotted: str, label: str) -> None:

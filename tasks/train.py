@@ -202,8 +202,12 @@ class ConcurrentTraining:
     each trial ends — its adapter still active — with the TrainOutcome `run_training` would have returned (None
     when the trial failed before its first step) and the error that ended a failed one (the others go on)."""
 
-    def __init__(self, slots: int):
-        self.runner = ConcurrentTrials(slots)
+    def __init__(self, slots: int, max_lora_rank: int | None = None):
+        self.runner = ConcurrentTrials(slots, max_lora_rank)
+
+    def close(self) -> None:
+        """Stop the vLLM server the trials shared, if they started one (rollout.engine: vllm)."""
+        self.runner.close()
 
     def run(
         self,

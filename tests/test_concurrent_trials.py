@@ -161,11 +161,18 @@ def test_a_trial_with_another_base_model_is_refused_naming_the_field(tiny_model)
     first, other = trial_cfg(tiny_model, "a"), trial_cfg(tiny_model, "b")
     other.model.dtype = "bfloat16"
     with pytest.raises(InputError, match=r"trial b: model.dtype is 'bfloat16' .* sweep.concurrent_trials: 1"):
-        check_concurrent(other, first.model, "b")
-    vllm = trial_cfg(tiny_model, "a")
-    vllm.rollout.engine = "vllm"
-    with pytest.raises(InputError, match=r"rollout.engine is 'vllm'.*max_loras"):
-        check_concurrent(vllm, None, "a")
+        check_concurrent(other, first, "b")
+    offline = trial_cfg(tiny_model, "a")
+    offline.rollout.engine = "offline"
+    with pytest.raises(InputError, match=r"rollout.engine is 'offline'; .*hf or the vllm engine"):
+        check_concurrent(offline, None, "a")
+    served, other_server = trial_cfg(tiny_model, "a"), trial_cfg(tiny_model, "b")
+    for cfg in (served, other_server):
+        cfg.rollout.engine = "vllm"
+    check_concurrent(other_server, served, "b")  # one vLLM server serves both
+    other_server.rollout.vllm_dtype = "bfloat16"
+    with pytest.raises(InputError, match=r"trial b: rollout.vllm_dtype is 'bfloat16' .* share one server"):
+        check_concurrent(other_server, served, "b")
 
 
 def test_one_engine_call_samples_each_trials_rows_as_its_adapter_alone_would(tiny_model):

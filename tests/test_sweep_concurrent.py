@@ -94,6 +94,13 @@ def test_a_collapsed_trial_is_pruned_and_its_slot_goes_to_the_next_trial(sweeps)
     [
         ({"overrides": {"rollout.max_off_policy_steps": 1}}, "rollout.max_off_policy_steps"),
         ({"space": {"lora.enabled": {"type": "categorical", "choices": [True, False]}}}, "lora.enabled"),
+        (  # vLLM trials share one server: its settings cannot differ between trials
+            {
+                "overrides": {"rollout.engine": "vllm"},
+                "space": {"rollout.vllm_dtype": {"type": "categorical", "choices": ["float32", "bfloat16"]}},
+            },
+            "rollout.vllm_dtype",
+        ),
     ],
 )
 def test_a_sweep_that_cannot_run_concurrently_exits_2_in_one_line_before_any_model_loads(
@@ -112,6 +119,19 @@ def test_a_sweep_that_cannot_run_concurrently_exits_2_in_one_line_before_any_mod
     assert err.startswith("error: ") and "\n" not in err, err
     assert "'concurrent_trials': 2" in err and named in err and "concurrent_trials: 1" in err, err
     assert not (project / "optuna.db").exists()
+
+
+def test_a_vllm_sweeps_shared_server_is_sized_for_the_largest_rank_in_the_space(tiny_model, tmp_path):
+    from sweeps.space import check_concurrent_sweep, largest_lora_rank, load_sweep
+
+    space = {"lora.r": {"type": "categorical", "choices": [4, 32, 8]}}
+    vllm = {"rollout.engine": "vllm"}
+    path = sweep_file(tmp_path / "sweep.yaml", tiny_model, tmp_path, concurrent_trials=2, space=space, overrides=vllm)
+    sweep = load_sweep(path)
+    check_concurrent_sweep(sweep)  # vllm trials can share a server now; hf ones a model
+    assert largest_lora_rank(sweep) == 32
+    path = sweep_file(tmp_path / "sweep2.yaml", tiny_model, tmp_path, concurrent_trials=2, overrides=vllm)
+    assert largest_lora_rank(load_sweep(path)) == 8  # the base spec's
 
 
 # ── the ask-and-tell loop alone ────────────────────────────────────────────────────────────────────

@@ -443,6 +443,82 @@ def test_penalised_rollouts_train_without_the_correction(served, tiny_model, tmp
     assert all(m["policy_ratio/mean"] == 1.0 for m in history)  # pi_old: the trainer's
 
 
+# ------------------------------------------------------------------------------------------ concurrent trials
+
+
+class ServedAdapters(Callbacks):
+    """What the trial's server serves at each of its steps: the LoRA names, all trials' together."""
+
+    def __init__(self):
+        self.seen: list[list[str]] = []
+        self.trainer = None
+
+    def on_step(self, step, metrics):
+        self.seen.append(self.trainer.engine.loaded_adapters())
+
+
+def concurrent_trial_cfg(tiny_model, name: str, url: str | None = None) -> TrainerConfig:
+    """Two trials of one sweep (their own rank, learning rate, beta, steps) on the vLLM engine."""
+    rank, lr, beta, steps = {"a": (4, 1e-3, 0.04, 3), "b": (8, 3e-3, 0.0, 2), "c": (16, 2e-3, 0.1, 2)}[name]
+    rollout = {"engine": "vllm", "max_tokens": 24, "vllm_extra_args": ["--block-size", "32"]}
+    spec = tiny_spec(
+        tiny_model,
+        lora={"r": rank, "alpha": 2 * rank},
+        grpo={"num_generations": 4, "prompts_per_step": 2, "beta": beta},
+        rollout={**rollout, "vllm_url": url} if url else rollout,
+        optim={"steps": steps, "learning_rate": lr},
+        checkpoint={"every": 10, "keep_last": 1},
+    )
+    return TrainerConfig.model_validate(spec)
+
+
+def test_concurrent_trials_share_one_vllm_server_and_each_trains_as_it_would_alone(served, tiny_model, tmp_path):
+    """Three trials two at a time (c takes the slot b leaves) on ONE vLLM server that ConcurrentTrials starts with
+    --max-loras 2: every round both trials' adapters are served together and their requests go at once. Each trial
+    samples the same tokens and gets the same rewards as alone (on the module's server); its metrics and final
+    adapter agree within the CPU tolerance of tests/test_concurrent_trials.py (the engine's logprobs reach them
+    through the rollout correction, and two servers' kernels round a batch's rows in their own way)."""
+    from tests.test_concurrent_trials import assert_same_run
+    from trainer.multi import ConcurrentTrials, TrialJob
+
+    names = ("a", "b", "c")
+    for name in names:
+        trainer = GRPOTrainer(concurrent_trial_cfg(tiny_model, name, served.server.url), tmp_path / f"alone-{name}")
+        trainer.train()
+        trainer.close()
+
+    watches = {name: ServedAdapters() for name in names}
+    ended = []
+
+    def on_end(outcome, trainer):
+        assert outcome.error is None, outcome.error
+        ended.append(outcome.job.name)
+
+    jobs = (TrialJob(n, concurrent_trial_cfg(tiny_model, n), tmp_path / n, [watches[n]]) for n in names)
+    with ConcurrentTrials(slots=2, max_lora_rank=16) as runner:
+        original_start = runner._start
+
+        def start(job):
+            trial = original_start(job)
+            watches[job.name].trainer = trial.trainer
+            return trial
+
+        runner._start = start
+        outcomes = runner.run(jobs, on_end=on_end)
+        server = runner.shared.vllm_server
+        assert server is not None and server.process.poll() is None  # one server, started by the runner, up
+        log = (tmp_path / "a" / "vllm-server.log").read_text()  # beside the trial that started it
+        assert "--max-loras 2 " in log and "--max-lora-rank 16 " in log
+    assert server.process.poll() is not None  # and stopped with it
+
+    assert ended == ["b", "a", "c"] and all(o.result.stopped is None for o in outcomes)
+    # while two trials ran, the server served both their adapters at each step (one version each)
+    assert [len([n for n in seen if n.startswith("ballast-")]) for seen in watches["a"].seen] == [2, 2, 2]
+    for name in names:  # the same prompts, tokens and rewards; metrics and final adapter within the tolerance
+        steps = concurrent_trial_cfg(tiny_model, name).optim.steps
+        assert_same_run(tmp_path / name, tmp_path / f"alone-{name}", steps, exact=False)
+
+
 def test_missing_vllm_python_names_the_fix(tiny_model, tmp_path):
     cfg = TrainerConfig.model_validate(
         tiny_spec(tiny_model, rollout={"engine": "vllm", "vllm_python": str(tmp_path / "no" / "python")})

@@ -18,6 +18,11 @@ choices, on purpose:
   repetition penalty, top-p …) from its prompt's own seeded generator, so it does not depend on the other rows.
   Trials with different rollout.max_tokens are sampled in one call per value (the KV cache is as long as a lone
   run's).
+- **Or one vLLM server.** With rollout.engine: vllm the trials share one server (started with the first such trial,
+  `--max-loras` = slots, `--max-lora-rank` the largest rank a trial may take; or the user's, rollout.vllm_url), each
+  trial a VLLMEngine of its own on it: its adapter versions under its own names, its served-policy check. Each
+  round every trial pushes its adapter (proved served), then all trials' requests go at once, so the server's
+  continuous batching samples them in one batch, each row under its trial's adapter (vLLM's multi-LoRA).
 - **Updates one trial at a time**: its adapter active (peft's `set_adapter`: only it in the forward, only its
   weights trainable), its loss, backward and optimizer step. The KL reference is the base model with adapters
   disabled: one for all.
@@ -27,9 +32,8 @@ choices, on purpose:
 - **Equal to a lone run**: tests/test_concurrent_trials.py runs trials together and each alone; per-step metrics
   (timings aside) and final adapters are bit-identical on CPU in float32 (the adapter's matmuls run on the trial's
   own rows; the base model's on all rows, which on CPU gives each row the same bits).
-- **Limits**: the HF engine only (vLLM's max_loras serving is not wired yet: a vllm trial is refused);
-  rollout.max_off_policy_steps: 0; no data.environment (multi-turn episodes); LoRA trials only; every trial's
-  `model` section equal (one base model).
+- **Limits**: the HF or vLLM engine; rollout.max_off_policy_steps: 0; no data.environment (multi-turn episodes);
+  LoRA trials only; every trial's `model` section equal (one base model), and its vLLM server settings.
   A concurrent trial is not resumed from a checkpoint mid-trial: its checkpoints are a lone run's, so
   `ballast train --resume` can finish one alone.
 
@@ -44,6 +48,7 @@ import re
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +81,32 @@ class SharedPolicy:
         self.all_linear = lora_target_modules(self.base, "all-linear")  # resolved before any adapter wraps a layer
         self.model = None  # the PeftModel, once the first adapter is added
         self.engine = HFEngine(self.base, self.tokenizer, self.device, compile_decode=compile_decode)
+        self.vllm_server = None  # the vLLM server this process started for the trials (rollout.engine: vllm)
+        self.vllm_rank = 0  # the largest LoRA rank it serves
+
+    def vllm_engine(self, cfg: TrainerConfig, workdir: Path, max_loras: int, max_lora_rank: int | None):
+        """A VLLMEngine of the trial's own on the server every vllm trial shares: the user's (rollout.vllm_url) or
+        one started now, by the first, serving `max_loras` adapters in one batch."""
+        from .engines.vllm import VLLMEngine, check_config, start_server
+        from .engines.vllm_server import lora_rank_bucket
+
+        check_config(cfg)
+        if cfg.rollout.vllm_url:
+            return VLLMEngine.on_server(cfg, self.tokenizer, workdir, cfg.rollout.vllm_url)
+        if self.vllm_server is None:
+            self.vllm_rank = lora_rank_bucket(max(max_lora_rank or 0, cfg.lora.r))
+            self.vllm_server = start_server(cfg, workdir.parent / "vllm-server.log", max_loras, self.vllm_rank)
+        elif cfg.lora.r > self.vllm_rank:
+            raise InputError(
+                f"lora.r is {cfg.lora.r} but the vLLM server the trials share serves ranks up to {self.vllm_rank}; "
+                "give ConcurrentTrials the largest rank a trial takes (max_lora_rank)"
+            )
+        return VLLMEngine.on_server(cfg, self.tokenizer, workdir, self.vllm_server.url)
+
+    def close(self) -> None:
+        if self.vllm_server is not None:
+            self.vllm_server.close()
+            self.vllm_server = None
 
     def add(self, name: str, lora_cfg: LoraConfig, init_adapter: str | Path | None = None) -> tuple:
         """(model, tokenizer) with a new adapter `name` (from `lora_cfg`, or loaded from `init_adapter`), active."""
@@ -114,17 +145,17 @@ class SharedPolicy:
                 self.model.delete_adapter(name)
 
 
-def check_concurrent(cfg: TrainerConfig, model_cfg: ModelConfig | None, name: str) -> None:
+def check_concurrent(cfg: TrainerConfig, first: TrainerConfig | None, name: str) -> None:
     """Refuse, naming the field and the fix, a trial that cannot share the base model with the others."""
     fix = "or set sweep.concurrent_trials: 1"
     if not cfg.lora.enabled:
         raise InputError(
             f"trial {name}: lora.enabled is false; concurrent trials train LoRA adapters — enable lora {fix}"
         )
-    if cfg.rollout.engine != "hf":
+    if cfg.rollout.engine not in ("hf", "vllm"):
         raise InputError(
-            f"trial {name}: rollout.engine is {cfg.rollout.engine!r}; concurrent trials sample with the hf engine "
-            f"(serving several adapters from vLLM, max_loras, is not wired yet) — set rollout.engine: hf {fix}"
+            f"trial {name}: rollout.engine is {cfg.rollout.engine!r}; concurrent trials sample with the hf or the "
+            f"vllm engine — set rollout.engine: hf {fix}"
         )
     if getattr(cfg.data, "environment", None) is not None:
         raise InputError(
@@ -136,13 +167,27 @@ def check_concurrent(cfg: TrainerConfig, model_cfg: ModelConfig | None, name: st
             f"trial {name}: rollout.max_off_policy_steps is {cfg.rollout.max_off_policy_steps}; concurrent trials "
             f"sample each step synchronously — set rollout.max_off_policy_steps: 0 {fix}"
         )
-    if model_cfg is not None and cfg.model != model_cfg:
-        mine, theirs = cfg.model.model_dump(), model_cfg.model_dump()
+    if first is None:
+        return
+    if cfg.rollout.engine == "vllm" and (mine := _server_fields(cfg)) != _server_fields(first):
+        key = next(k for k in mine if mine[k] != _server_fields(first)[k])
+        raise InputError(
+            f"trial {name}: rollout.{key} is {mine[key]!r} but the running trials' vLLM server has "
+            f"{_server_fields(first)[key]!r}; concurrent trials share one server — do not search over rollout.{key}, "
+            f"{fix}"
+        )
+    if cfg.model != first.model:
+        mine, theirs = cfg.model.model_dump(), first.model.model_dump()
         key = next(k for k in mine if mine[k] != theirs[k])
         raise InputError(
             f"trial {name}: model.{key} is {mine[key]!r} but the running trials' is {theirs[key]!r}; concurrent "
             f"trials share one base model — do not search over the model section, {fix}"
         )
+
+
+def _server_fields(cfg: TrainerConfig) -> dict:
+    """The rollout settings that start or reach a vLLM server: one for all concurrent trials."""
+    return {k: v for k, v in cfg.rollout.model_dump().items() if k.startswith("vllm_") or k == "device"}
 
 
 # ------------------------------------------------------------------------ trials and their outcomes
@@ -194,14 +239,27 @@ def _set_rng_state(state: tuple) -> None:
 
 
 class ConcurrentTrials:
-    """Runs jobs `slots` at a time over one shared base model; a job is pulled from `jobs` when a slot is free."""
+    """Runs jobs `slots` at a time over one shared base model; a job is pulled from `jobs` when a slot is free.
+    max_lora_rank: the largest lora.r a trial may ask for (a vLLM server is started for it; default: the first
+    vllm trial's). `close()` stops the vLLM server it started, if any."""
 
-    def __init__(self, slots: int):
+    def __init__(self, slots: int, max_lora_rank: int | None = None):
         if slots < 1:
             raise InputError(f"sweep.concurrent_trials is {slots}; set it to 1 or more")
-        self.slots = slots
+        self.slots, self.max_lora_rank = slots, max_lora_rank
         self.shared: SharedPolicy | None = None
+        self.first: TrainerConfig | None = None  # the first trial's settings: what the others must share
         self.started = 0
+
+    def close(self) -> None:
+        if self.shared is not None:
+            self.shared.close()
+
+    def __enter__(self) -> ConcurrentTrials:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def run(
         self,
@@ -229,6 +287,8 @@ class ConcurrentTrials:
                         on_end(outcome, t)
             finally:
                 t.rollouts.close()
+                if t.engine is not self.shared.engine:
+                    t.engine.close()  # its adapter leaves the shared vLLM server
                 self.shared.remove(trial.adapter)
                 running.remove(trial)
                 outcomes.append(outcome)
@@ -276,11 +336,15 @@ class ConcurrentTrials:
     # ------------------------------------------------------------------ pieces
 
     def _start(self, job: TrialJob) -> _Trial:
-        check_concurrent(job.cfg, self.shared.model_cfg if self.shared else None, job.name)
+        check_concurrent(job.cfg, self.first, job.name)
+        self.first = self.first or job.cfg
         if self.shared is None:
             self.shared = SharedPolicy(job.cfg.model, compile_decode=job.cfg.rollout.compile_decode)
         adapter, self.started = f"trial_{self.started}", self.started + 1
+        engine = self.shared.engine
         try:
+            if job.cfg.rollout.engine == "vllm":
+                engine = self.shared.vllm_engine(job.cfg, Path(job.output_dir) / "vllm", self.slots, self.max_lora_rank)
             trainer = GRPOTrainer(
                 job.cfg,
                 job.output_dir,
@@ -288,7 +352,7 @@ class ConcurrentTrials:
                 init_adapter=job.init_adapter,
                 lineage=job.lineage,
                 progress=False,
-                engine=self.shared.engine,
+                engine=engine,
                 shared=self.shared,
                 adapter=adapter,
             )
@@ -297,6 +361,8 @@ class ConcurrentTrials:
                 trial.eval_start = trainer.evaluate_on_start()
         except BaseException:
             self.shared.remove(adapter)  # the others' adapters stay
+            if engine is not self.shared.engine:
+                engine.close()
             raise
         return trial
 
@@ -314,11 +380,16 @@ class ConcurrentTrials:
         """Every running trial's batch for its next step, in one engine call per rollout.max_tokens (the KV cache's
         length is the call's: a lone run's, so); each trial's rows drawn with its own settings and seeds."""
         calls: dict[int, list[tuple]] = {}
+        served: list[tuple] = []
         for trial in running:
             step = trial.trainer.step + 1
             indices, prompts, params = trial.trainer.rollouts.request(step)
-            calls.setdefault(params.max_tokens, []).append((trial, step, indices, prompts, params))
-        batches = {}
+            member = (trial, step, indices, prompts, params)
+            if trial.trainer.engine is self.shared.engine:
+                calls.setdefault(params.max_tokens, []).append(member)
+            else:
+                served.append(member)
+        batches = self._sample_served(served) if served else {}
         for members in calls.values():
             started = time.perf_counter()
             requests = [(prompts, params, [trial.adapter] * len(prompts)) for trial, _, _, prompts, params in members]
@@ -330,4 +401,23 @@ class ConcurrentTrials:
             for (trial, step, indices, _, _), groups in zip(members, completions):
                 flat = [c for group in groups for c in group]
                 batches[trial.adapter] = RolloutBatch(step, indices, flat, [step - 1] * len(flat), generate_s)
+        return batches
+
+    def _sample_served(self, members: list[tuple]) -> dict[str, RolloutBatch]:
+        """The vllm trials' batches: each pushes its adapter (and proves it served), then all requests go to the shared
+        server at once, so its scheduler batches the trials' rows together (up to --max-loras adapters a batch)."""
+        for trial, step, _, _, _ in members:
+            with self._active(trial):
+                trial.trainer.engine.sync_weights(self.shared.model, step)  # version step - 1, as a lone run pushes
+        started = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=len(members), thread_name_prefix="ballast-trial-rollouts") as pool:
+            futures = [
+                pool.submit(trial.trainer.engine.generate, prompts, params) for trial, _, _, prompts, params in members
+            ]
+            groups = [f.result() for f in futures]
+        generate_s = time.perf_counter() - started
+        batches = {}
+        for (trial, step, indices, _, _), trial_groups in zip(members, groups):
+            flat = [c for group in trial_groups for c in group]
+            batches[trial.adapter] = RolloutBatch(step, indices, flat, [step - 1] * len(flat), generate_s)
         return batches

@@ -145,53 +145,24 @@ class VLLMEngine:
     @classmethod
     def from_config(cls, cfg, tokenizer, workdir: str | Path) -> VLLMEngine:
         """Start (or, with rollout.vllm_url, connect to) the server the TrainerConfig describes."""
-        r = cfg.rollout
-        if not cfg.lora.enabled:
-            raise ValueError(
-                "rollout.engine: vllm pushes each new LoRA adapter to the server; with lora.enabled: false "
-                "(full fine-tuning) there is no adapter to push: use rollout.engine: hf"
-            )
-        params = SamplingParams.from_rollout(r, n=1, seed=0)
-        if not logprobs_are_policy(params) and cfg.grpo.rollout_correction.mode != "off":
-            raise ValueError(
-                f"{_distorting_settings(params)} with rollout.engine: vllm: vLLM then reports the logprobs of the "
-                "penalised, truncated distribution it sampled from, not the policy's that the rollout correction "
-                "needs; set grpo.rollout_correction.mode: off (pi_old is the trainer's either way; the "
-                "engine-vs-trainer mismatch is then neither corrected nor measured), or drop those sampling settings"
-            )
+        check_config(cfg)
         workdir = Path(workdir)
-        trainer_dtype = resolve_dtype(cfg.model)
-        dtypes = dict(server_dtype=r.vllm_dtype or trainer_dtype, trainer_dtype=trainer_dtype)
-        if r.vllm_url:
-            server = VLLMServer.connect(
-                r.vllm_url, r.vllm_startup_timeout_s, request_timeout_s=r.vllm_request_timeout_s
-            )
-            return cls(server, tokenizer, workdir, owns_server=False, rollout=r, **dtypes)
-        device, visible = server_device(r.device, cfg.model.device)
-        model = cfg.model.name_or_path
-        if Path(model).expanduser().is_dir():
-            model = str(Path(model).expanduser().absolute())
-        server = VLLMServer.start(
-            resolve_vllm_python(r.vllm_python),
-            model,
-            log_path=workdir / "server.log",
-            dtype=dtypes["server_dtype"],
-            device=device,
-            visible_devices=visible,
-            max_lora_rank=cfg.lora.r,
-            port=r.vllm_port,
-            startup_timeout_s=r.vllm_startup_timeout_s,
-            extra_args=r.vllm_extra_args,
-            request_timeout_s=r.vllm_request_timeout_s,
-            gpu_memory_utilization=SHARED_GPU_MEMORY_UTILIZATION
-            if shares_trainer_gpu(r.device, cfg.model.device)
-            else None,
-        )
+        if cfg.rollout.vllm_url:
+            return cls.on_server(cfg, tokenizer, workdir, cfg.rollout.vllm_url)
+        server = start_server(cfg, workdir / "server.log")
         try:
-            return cls(server, tokenizer, workdir, owns_server=True, rollout=r, **dtypes)
+            return cls(server, tokenizer, workdir, owns_server=True, rollout=cfg.rollout, **engine_dtypes(cfg))
         except BaseException:
             server.close()
             raise
+
+    @classmethod
+    def on_server(cls, cfg, tokenizer, workdir: str | Path, url: str) -> VLLMEngine:
+        """An engine of its own (its own adapter versions, names and checks) on a server it does not own: the
+        user's (rollout.vllm_url), or the one that concurrent trials share (trainer/multi.py)."""
+        r = cfg.rollout
+        server = VLLMServer.connect(url, r.vllm_startup_timeout_s, request_timeout_s=r.vllm_request_timeout_s)
+        return cls(server, tokenizer, Path(workdir), owns_server=False, rollout=r, **engine_dtypes(cfg))
 
     # ---------------------------------------------------------------- weights: one adapter version at a time
     def sync_weights(self, model, step: int) -> ServedPolicy:
@@ -374,6 +345,56 @@ class VLLMEngine:
         self.close()
 
 
+def check_config(cfg) -> None:
+    """Refuse, before any server starts, a TrainerConfig the vLLM engine cannot serve."""
+    if not cfg.lora.enabled:
+        raise ValueError(
+            "rollout.engine: vllm pushes each new LoRA adapter to the server; with lora.enabled: false "
+            "(full fine-tuning) there is no adapter to push: use rollout.engine: hf"
+        )
+    params = SamplingParams.from_rollout(cfg.rollout, n=1, seed=0)
+    if not logprobs_are_policy(params) and cfg.grpo.rollout_correction.mode != "off":
+        raise ValueError(
+            f"{_distorting_settings(params)} with rollout.engine: vllm: vLLM then reports the logprobs of the "
+            "penalised, truncated distribution it sampled from, not the policy's that the rollout correction "
+            "needs; set grpo.rollout_correction.mode: off (pi_old is the trainer's either way; the "
+            "engine-vs-trainer mismatch is then neither corrected nor measured), or drop those sampling settings"
+        )
+
+
+def engine_dtypes(cfg) -> dict[str, str]:
+    """The server's and the trainer's dtypes, which set the served-policy check's tolerance."""
+    trainer_dtype = resolve_dtype(cfg.model)
+    return {"server_dtype": cfg.rollout.vllm_dtype or trainer_dtype, "trainer_dtype": trainer_dtype}
+
+
+def start_server(cfg, log_path: Path, max_loras: int = 1, max_lora_rank: int | None = None) -> VLLMServer:
+    """A vLLM server of the TrainerConfig's base model, serving up to `max_loras` of its LoRA adapters in one batch
+    (concurrent trials: one each), of rank up to `max_lora_rank` (default lora.r)."""
+    r = cfg.rollout
+    device, visible = server_device(r.device, cfg.model.device)
+    model = cfg.model.name_or_path
+    if Path(model).expanduser().is_dir():
+        model = str(Path(model).expanduser().absolute())
+    return VLLMServer.start(
+        resolve_vllm_python(r.vllm_python),
+        model,
+        log_path=log_path,
+        dtype=engine_dtypes(cfg)["server_dtype"],
+        device=device,
+        visible_devices=visible,
+        max_lora_rank=max_lora_rank or cfg.lora.r,
+        max_loras=max_loras,
+        port=r.vllm_port,
+        startup_timeout_s=r.vllm_startup_timeout_s,
+        extra_args=r.vllm_extra_args,
+        request_timeout_s=r.vllm_request_timeout_s,
+        gpu_memory_utilization=SHARED_GPU_MEMORY_UTILIZATION
+        if shares_trainer_gpu(r.device, cfg.model.device)
+        else None,
+    )
+
+
 def _remaining(deadline: float | None) -> float | None:
     """Seconds left before `deadline` (time.monotonic), for a request's timeout; None: the server's default."""
     return None if deadline is None else deadline - time.monotonic()
@@ -425,7 +446,12 @@ def _save_adapter(model, path: Path, overwrite: bool = False) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(str(tmp))
+    adapter = model.active_adapter  # one of several when trials share the base model (trainer/multi.py)
+    model.save_pretrained(str(tmp), selected_adapters=[adapter])
+    if adapter != "default":  # peft writes a named adapter into a folder of that name: served as a lone one
+        shutil.move(str(tmp / adapter), str(tmp.with_name(tmp.name + "-named")))
+        shutil.rmtree(tmp)
+        os.rename(tmp.with_name(tmp.name + "-named"), tmp)
     if overwrite:
         shutil.rmtree(path, ignore_errors=True)
     os.rename(tmp, path)

@@ -219,6 +219,7 @@ class VLLMServer:
         device: str = "cpu",
         visible_devices: str | None = "",
         max_lora_rank: int | None = None,
+        max_loras: int = 1,
         lora_modules: dict[str, str] | None = None,
         port: int = 0,
         startup_timeout_s: float = 240.0,
@@ -255,10 +256,10 @@ class VLLMServer:
                 "--max-lora-rank",
                 str(lora_rank_bucket(max_lora_rank)),
                 "--max-loras",
-                "1",
+                str(max_loras),
                 "--max-cpu-loras",
-                "2",
-            ]  # the new version loads before the old one goes
+                str(2 * max_loras),
+            ]  # max_loras adapters in one batch (concurrent trials); each one's new version loads before its old goes
         if lora_modules:
             args += ["--lora-modules", *(f"{name}={path}" for name, path in lora_modules.items())]
         if gpu_memory_utilization and device == "cuda" and "--gpu-memory-utilization" not in extra_args:
