@@ -58,6 +58,7 @@ class ComputeTotal:
     """What the sweep's compute cost, summed over its trials and the nodes provisioned for it."""
 
     trial_s: float = 0.0  # wall time of every trial that ended, summed
+    span_s: float = 0.0  # from the first trial's start to the last one's end: less than trial_s when trials overlap
     nodes: list[dict] = field(default_factory=list)  # each node's usage: name, compute, provision_s, run_s, ...
     provision_s: float = 0.0
     run_s: float = 0.0
@@ -67,11 +68,12 @@ class ComputeTotal:
     not_torn_down: list[str] = field(default_factory=list)
 
     @classmethod
-    def of(cls, nodes: list[dict], trial_s: float) -> ComputeTotal:
+    def of(cls, nodes: list[dict], trial_s: float, span_s: float = 0.0) -> ComputeTotal:
         nodes = [{**NODE_FIELDS, **n} for n in nodes]
         costs = [float(n["cost_usd"]) for n in nodes if n["cost_usd"] is not None]
         return cls(
             trial_s=trial_s,
+            span_s=span_s,
             nodes=nodes,
             provision_s=sum(float(n["provision_s"]) for n in nodes),
             run_s=sum(float(n["run_s"]) for n in nodes),
@@ -91,6 +93,8 @@ class ComputeTotal:
     def line(self) -> str:
         """'compute: trials ran 5.2 min in all; 2 nodes provisioned in 3 s, ran 301 s, 0 restarts, ~$1.20'."""
         head = f"compute: trials ran {self.trial_s / 60:.1f} min in all"
+        if 0 < self.span_s < 0.9 * self.trial_s:  # concurrent trials, or several workers
+            head += f", {self.span_s / 60:.1f} min from the first start to the last end (they overlapped)"
         if not self.nodes:
             return head
         n = len(self.nodes)
@@ -120,7 +124,12 @@ def compute_total(study: optuna.Study, trials: list) -> ComputeTotal:
         if isinstance(t.user_attrs.get(COMPUTE_ATTR), dict):
             nodes.append({"name": f"trial {t.number}", **t.user_attrs[COMPUTE_ATTR]})
     ended = [t for t in trials if t.datetime_complete and t.datetime_start]
-    return ComputeTotal.of(nodes, sum((t.datetime_complete - t.datetime_start).total_seconds() for t in ended))
+    span = (max(t.datetime_complete for t in ended) - min(t.datetime_start for t in ended)) if ended else None
+    return ComputeTotal.of(
+        nodes,
+        sum((t.datetime_complete - t.datetime_start).total_seconds() for t in ended),
+        span.total_seconds() if span else 0.0,
+    )
 
 
 @dataclass

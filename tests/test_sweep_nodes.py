@@ -213,7 +213,7 @@ def test_a_skypilot_worker_is_a_task_skypilot_accepts_running_the_sweep_worker_w
 def test_the_summary_sums_worker_nodes_and_trials_own_nodes_and_says_which_had_no_price(tmp_path):
     from optuna.trial import TrialState, create_trial
 
-    from sweeps.report import summarize
+    from sweeps.report import ComputeTotal, summarize
     from sweeps.space import load_sweep
 
     sweep = load_sweep(
@@ -241,9 +241,12 @@ def test_the_summary_sums_worker_nodes_and_trials_own_nodes_and_says_which_had_n
     assert compute.trial_s == pytest.approx(60.0)
     assert len(compute.nodes) == 2 and compute.provision_s == 110.0 and compute.run_s == 550.0
     assert compute.restarts == 1 and compute.cost_usd == pytest.approx(0.85) and compute.unpriced == 0
+    assert compute.span_s == pytest.approx(30.0)  # the two trials ran at the same time
     assert compute.line() == (
-        "compute: trials ran 1.0 min in all; 2 nodes provisioned in 110 s, ran 550 s, 1 restart, ~$0.85"
+        "compute: trials ran 1.0 min in all, 0.5 min from the first start to the last end (they overlapped); "
+        "2 nodes provisioned in 110 s, ran 550 s, 1 restart, ~$0.85"
     )
+    assert ComputeTotal.of([], 60.0, 58.0).line() == "compute: trials ran 1.0 min in all"  # one after another
     study.set_user_attr("ballast.node.20250101T000000.1", json.dumps({"name": "worker-1", "torn_down": False}))
     compute = summarize(study, sweep).compute
     assert compute.cost_text() == "~$0.85 for the priced nodes, price unknown for 1"
