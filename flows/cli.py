@@ -291,8 +291,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:
-        print("interrupted; saved checkpoints are kept — continue with --resume", file=sys.stderr)
-        return 143 if isinstance(e, Terminated) else 130
+        said = str(e) if type(e).__name__ == "SweepInterrupted" else ""  # a sweep says how it continues
+        print(said or "interrupted; saved checkpoints are kept — continue with --resume", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) or isinstance(e.__cause__, Terminated) else 130
     except BrokenPipeError:  # `ballast spec-schema | head`: the reader left; stop quietly, as a SIGPIPE'd tool does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit flush must not raise again
         return 141

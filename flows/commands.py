@@ -609,17 +609,19 @@ def cmd_sweep(args) -> int:
     if args.workers and base_spec(sweep).get("infra", {}).get("compute", "here") != "here":
         _check_worker_nodes(sweep, args.storage)
     runtime.prestart(base_spec(sweep).get("project_dir", ".ballast"))
-    from flows.sweep import ballast_sweep
+    from flows.sweep import ballast_sweep, interrupts_said_once
 
     runtime.wait_until_started()  # a flow that starts before the ephemeral server answers finds no API
-    result = ballast_sweep(
-        str(Path(args.file).resolve()),
-        trials=args.trials,
-        workers=args.workers,
-        storage=args.storage,
-        overrides=list(args.set),
-        timeout_s=args.timeout,
-    )
+    again = shlex.join(["ballast", "sweep", args.file, *[x for s in args.set for x in ("--set", s)]])
+    with interrupts_said_once(again):
+        result = ballast_sweep(
+            str(Path(args.file).resolve()),
+            trials=args.trials,
+            workers=args.workers,
+            storage=args.storage,
+            overrides=list(args.set),
+            timeout_s=args.timeout,
+        )
     if result is None:  # --workers 0: the study was created, the join command printed
         return 0
     for line in result.lines():
@@ -659,13 +661,14 @@ def cmd_sweep_worker(args) -> int:
     _check_storage_flag(args.storage)
     _, sweep = join_study(args.study, make_storage(args.storage), worker=args.worker)  # a bad study name fails early
     runtime.prestart(base_spec(sweep).get("project_dir", ".ballast"))  # nothing to start when spawned by a sweep
-    from flows.sweep import ballast_sweep_worker
+    from flows.sweep import ballast_sweep_worker, interrupts_said_once
 
     runtime.wait_until_started()
-
-    result = ballast_sweep_worker(
-        args.study, args.storage, trials=args.trials, worker=args.worker, summary=not args.no_summary
-    )
+    again = ["ballast", "sweep-worker", "--study", args.study] + (["--storage", args.storage] if args.storage else [])
+    with interrupts_said_once(shlex.join(again)):
+        result = ballast_sweep_worker(
+            args.study, args.storage, trials=args.trials, worker=args.worker, summary=not args.no_summary
+        )
     if result is not None:
         for line in result.lines():
             print(line)

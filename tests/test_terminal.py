@@ -24,6 +24,7 @@ from tests.conftest import REPO, tiny_spec
 CLI = "import sys; from flows.cli import main; sys.exit(main())"
 WAIT_S = 600
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\r")
+ANSI_ONLY = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # carriage returns kept: what a line ends up showing
 
 
 class Terminal:
@@ -197,3 +198,27 @@ def test_ballast_ui_refuses_a_port_in_use_with_one_line_naming_the_flag(tmp_path
         f"error: {flag} {port}: the port is in use on 127.0.0.1 (Address already in use; another `ballast ui` or "
         f"server?); stop it, or choose a free port with {flag} N"
     ]
+
+
+@pytest.mark.parametrize("concurrent", [1, 2])
+def test_ctrl_c_in_a_terminal_stops_ballast_sweep_with_one_line_and_no_traceback(tiny_model, tmp_path, concurrent):
+    """`ballast sweep` (trials one at a time, or two at once over one base model): ^C while a trial trains stops it
+    at a safe point; the terminal shows no traceback — neither Optuna's 'Trial N failed' report of the interrupt
+    nor Prefect's 'Crash detected' — and ends with the line that says how to continue."""
+    from tests.test_sweep import sweep_file
+
+    project = tmp_path / "project"
+    path = sweep_file(tmp_path / "sweep.yaml", tiny_model, project, trials=3, concurrent_trials=concurrent)
+    term = Terminal("sweep", str(path), env={"BALLAST_FAULT": "hold-in-step:2"})
+    term.read_until(lambda t: any(p.read_text().strip() for p in (project / "runs").glob("*/metrics.jsonl")))
+    term.ctrl_c()
+    code = term.wait()
+    text = term.text
+    assert code == 130, text[-3000:]
+    for noise in ("Traceback", "KeyboardInterrupt", "failed with parameters", "Crash detected", "ERROR"):
+        assert noise not in text, (noise, text[-3000:])
+    raw = ANSI_ONLY.sub("", term.raw.decode()).split("\n")  # the pty ends each line with \r\n
+    screen = [line.rstrip("\r").split("\r")[-1].strip() for line in raw]
+    assert [line for line in screen if line][-1] == (  # a progress line rewritten in place (\r) is gone
+        f"sweep interrupted; its finished trials are kept — continue it with: ballast sweep {path}"
+    ), text[-3000:]
