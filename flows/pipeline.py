@@ -44,7 +44,7 @@ from tasks.checkpoint import CheckpointUploader, reachable_store, sync_checkpoin
 from tasks.eval import eval_checkpoint
 from tasks.fork import fork
 from tasks.metrics_sink import TrackingUnavailable
-from tasks.probe import probe_checkpoint
+from tasks.probe import probe_checkpoint, run_probe_args
 from tasks.record import RunRecorder, StageError, Tracking, store_uri
 from tasks.remote import (
     Node,
@@ -208,9 +208,8 @@ def probe_stage(spec: ExperimentSpec, run: RunRecorder, view: PipelineView, chec
     if node is not None:
         yield from node_probe_task(node, run.store, list(uris), view.say, spec.infra.max_restarts)
         return
-    caches = dict(lora_cfg=spec.lora, baseline_cache=run.cache_dir.parent / "probe-baseline")
     for uri in uris.values():
-        yield probe_task(uri, spec.probe, spec.model, run.cache_dir / "probe", **caches)
+        yield probe_task(uri, **run_probe_args(spec, run.cache_dir))
 
 
 def eval_stage(spec: ExperimentSpec, run: RunRecorder, view: PipelineView, checkpoints, node: Node | None):

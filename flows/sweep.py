@@ -419,18 +419,9 @@ def keep_trial_usage(trial, recorder: SweepRecorder) -> None:
     `compute`, for the summary to sum; nothing when the run has none."""
     try:
         run = recorder.child_run(trial.number)
-        metrics = run.data.metrics if run is not None else {}
-        used = {k.removeprefix("compute/"): v for k, v in metrics.items() if k.startswith("compute/")}
-        if not used:
-            return
-        tags = run.data.tags
-        for key in ("compute", "node", "accelerators", "cloud", "region"):
-            tag = "ballast.compute" + ("" if key == "compute" else f".{key}")
-            if tag in tags:
-                used[key] = tags[tag]
-        used["spot"] = tags.get("ballast.compute.spot") == "spot"
-        used["torn_down"] = tags.get("ballast.compute.torn_down") == "True"
-        trial.set_user_attr(COMPUTE_ATTR, used)
+        used = Usage.recorded(run.data.tags, run.data.metrics) if run is not None else None
+        if used:
+            trial.set_user_attr(COMPUTE_ATTR, used)
     except Exception as e:  # bookkeeping never fails a trial
         print(f"trial {trial.number}: its node's usage was not kept on the study: {e}", flush=True)
 

@@ -91,6 +91,21 @@ class Usage:
         }
         return {k: str(v) for k, v in facts.items() if v is not None}
 
+    @staticmethod
+    def recorded(tags: dict[str, str], metrics: dict[str, float], prefix: str = "ballast.") -> dict | None:
+        """What `tags()` (under `prefix`) and `metrics()` put on a run's MLflow record, read back as one dict (the
+        metrics without 'compute/', the facts by name) for a sweep's summary to sum; None when the run has none."""
+        used: dict = {k.removeprefix("compute/"): v for k, v in metrics.items() if k.startswith("compute/")}
+        if not used:
+            return None
+        for key in ("compute", "node", "accelerators", "cloud", "region"):
+            tag = prefix + ("compute" if key == "compute" else f"compute.{key}")
+            if tag in tags:
+                used[key] = tags[tag]
+        used["spot"] = tags.get(prefix + "compute.spot") == "spot"
+        used["torn_down"] = tags.get(prefix + "compute.torn_down") == "True"
+        return used
+
     def metrics(self) -> dict[str, float]:
         out = {"compute/provision_s": self.provision_s, "compute/run_s": self.run_s, "compute/restarts": self.restarts}
         if self.hourly_usd is not None:

@@ -346,6 +346,19 @@ def base_model_of(checkpoint_uri: str, cache_dir: Path, device: str = "auto") ->
     return model_config_from_manifest(_open(checkpoint_uri, cache_dir).manifest, device=device)
 
 
+def run_probe_args(spec, run_cache: Path) -> dict:
+    """probe_checkpoint's arguments for a pipeline run's checkpoints: the spec's probe, model and LoRA settings, the
+    run's cache (`run_cache`, under the project's cache/<run id>) and the base-model baseline cached beside it for every
+    run of that base model. One home for the flow's process and a node's (tasks/remote.py)."""
+    return dict(
+        cfg=spec.probe,
+        model_cfg=spec.model,
+        cache_dir=run_cache / "probe",
+        lora_cfg=spec.lora,
+        baseline_cache=run_cache.parent / "probe-baseline",
+    )
+
+
 def probe_checkpoint(
     checkpoint_uri: str,
     cfg: ProbeConfig,

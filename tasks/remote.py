@@ -62,7 +62,7 @@ from infra.skypilot import REMOTE_SPEC_DIR
 from infra.store import ChecksumError, StoreUnavailable, open_store
 from tasks.checkpoint import CheckpointUploader, checkpoint_prefix, fetch_checkpoint
 from tasks.eval import EvalResult, eval_checkpoint
-from tasks.probe import ProbeError, probe_checkpoint
+from tasks.probe import ProbeError, probe_checkpoint, run_probe_args
 from tasks.probe_report import ProbeReport
 from tasks.record import store_uri
 from tasks.spec import SpecError, dump_spec, load_spec
@@ -363,14 +363,7 @@ def probe_node(spec, run_id: str, steps: Sequence[int]) -> list[ProbeReport]:
     reports = []
     for step in steps:
         uri = store.child_uri(checkpoint_prefix(run_id), step_dir_name(step))  # the flow's checkpoint stage's URI
-        report = probe_checkpoint(
-            uri,
-            spec.probe,
-            spec.model,
-            cache / "probe",
-            lora_cfg=spec.lora,
-            baseline_cache=cache.parent / "probe-baseline",
-        )
+        report = probe_checkpoint(uri, **run_probe_args(spec, cache))
         where = f"{node_prefix(run_id)}/probe/{step_dir_name(step)}"
         pages = cache / "probe-report" / step_dir_name(step)
         store.put_file(report.write_json(pages / "probe_report.json"), f"{where}/probe_report.json")
