@@ -479,7 +479,10 @@ def test_entropy_and_sampling_metrics_of_two_ranks_equal_the_single_process(tmp_
 # ------------------------------------------------------------------------ `ballast train --nproc 2` end to end
 
 
-ADAPTER_ATOL = 1e-6  # final adapter weights (|w| ~0.1): float32 sums in another order, over 2-4 AdamW steps
+# final adapter weights after 4 AdamW steps at lr 1e-3, float32 summed in another order across ranks: P_ATOL's rule,
+# 1 % of a step per step (Adam's g / sqrt(v) magnifies a near-zero gradient's rounding). Measured 0 to 1.5e-5
+# depending on the CPU's kernels (1.47e-5 on a Xeon where the earlier bound of 1e-6 held elsewhere).
+ADAPTER_ATOL = 0.01 * 1e-3 * 4
 
 
 def _e2e_spec(tiny_model, parallel: str, steps: int) -> dict:
