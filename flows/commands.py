@@ -52,8 +52,8 @@ def cmd_run(args) -> int:
     elif args.spec:
         checked = load_spec(args.spec, args.set)  # a bad spec fails here, in about a second
         check_runnable(checked)  # the model is here (or buildable), the device exists: one line, before Prefect
-        if checked.infra.compute != "here":  # (its checks import tasks/remote.py, and torch with it)
-            _check_compute(checked)
+        if checked.infra.compute != "here" or checked.infra.nproc_per_node * checked.infra.num_nodes > 1:
+            _check_compute(checked)  # (its checks import tasks/remote.py, and torch with it)
         if args.dryrun and checked.infra.compute == "skypilot":
             return _dryrun_compute(checked)
         _check_fork(checked)

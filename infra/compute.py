@@ -352,6 +352,12 @@ def sky_plan(infra, name: str, spec_file: Path, stage_command: str, vllm: bool =
     )
 
 
+def stage_nodes(plan: SkyPlan, command: list[str]) -> int:
+    """The nodes a stage runs on: the train stage on all of them (one torchrun launcher each, which reads its place
+    from SKYPILOT_NODE_RANK / SKYPILOT_NODE_IPS: tasks/remote.py train_ranks); the probe and eval on the head alone."""
+    return plan.num_nodes if command[2:4] == ["tasks.remote", "train"] else 1
+
+
 def sky_task(config: dict[str, Any]):
     """A sky.Task through SkyPilot's own schema validation; ComputeError with SkyPilot's first line otherwise."""
     import sky
@@ -402,6 +408,7 @@ class SkyPilotCompute:
 
         config = {**self.plan.task_config(with_secret_values=True), "run": " ".join(command)}  # `~` expands there
         config["envs"] = {**config["envs"], **env}
+        config["num_nodes"] = stage_nodes(self.plan, command)
         task = sky_task(config)
         if self.plan.managed:
             job_ids, _ = sky.stream_and_get(sky.jobs.launch(task, name=self.name))

@@ -23,12 +23,21 @@ import uuid
 from tasks.spec import ExperimentSpec, SpecError
 
 
-def check_ranks(spec: ExperimentSpec, nproc: int) -> None:
-    """SpecError (one line) when `nproc` ranks cannot train `spec` on this machine; nothing is loaded."""
+def check_ranks(spec: ExperimentSpec, nproc: int, here: bool = True) -> None:
+    """SpecError (one line) when `nproc` ranks cannot train `spec` on this machine (`here`), or on nodes whose cores
+    and devices are not known here (only what does not depend on them); nothing is loaded."""
     from trainer import distributed
 
     try:
-        distributed.check_world(nproc, spec.grpo.prompts_per_step, spec.model.device, spec.model.parallel)
+        if here:
+            distributed.check_world(nproc, spec.grpo.prompts_per_step, spec.model.device, spec.model.parallel)
+        elif nproc > 1 and spec.model.parallel == "none":
+            raise ValueError(f"{nproc} ranks with model.parallel: none; set model.parallel: ddp or fsdp2")
+        elif spec.grpo.prompts_per_step % nproc:
+            raise ValueError(
+                f"{nproc} ranks do not divide grpo.prompts_per_step {spec.grpo.prompts_per_step}: each rank trains "
+                f"whole groups of the same global batch; give infra.nproc_per_node x infra.num_nodes dividing it"
+            )
         if nproc > 1:
             distributed.check_model_class(spec.model.name_or_path, spec.model.parallel, spec.model.trust_remote_code)
     except ValueError as e:
@@ -46,9 +55,55 @@ def check_ranks(spec: ExperimentSpec, nproc: int) -> None:
                 )
 
 
-def launch(nproc: int, argv: list[str], log=None) -> int:
+def check_stage_ranks(spec: ExperimentSpec) -> None:
+    """SpecError (one line) for infra.nproc_per_node / infra.num_nodes the run's compute cannot give its train stage."""
+    infra = spec.infra
+    nproc, nodes = infra.nproc_per_node, infra.num_nodes
+    if nproc * nodes == 1:
+        return
+    if infra.compute == "here":
+        raise SpecError(
+            f"infra.nproc_per_node: {nproc}, infra.num_nodes: {nodes} with infra.compute: here: the flow's own process "
+            "trains as one rank; set infra.compute: local (ranks in a stage process on this machine) or skypilot, or "
+            "train here alone with: ballast train SPEC --nproc N"
+        )
+    if infra.compute == "local" and nodes > 1:
+        raise SpecError(
+            f"infra.num_nodes: {nodes} with infra.compute: local: one machine is one node; set infra.num_nodes: 1 "
+            "(and infra.nproc_per_node for its ranks) or infra.compute: skypilot"
+        )
+    check_ranks(spec, nproc * nodes, here=infra.compute == "local")
+
+
+def node_launch(env: dict[str, str]) -> dict:
+    """This node's place among the train stage's nodes, from SkyPilot's environment: {} on one node, else
+    {nnodes, node_rank, master_addr} (the first of SKYPILOT_NODE_IPS hosts the rendezvous)."""
+    nodes = int(env.get("SKYPILOT_NUM_NODES", "1") or 1)
+    if nodes == 1:
+        return {}
+    ips = [ip for ip in env.get("SKYPILOT_NODE_IPS", "").split() if ip]
+    rank = env.get("SKYPILOT_NODE_RANK")
+    if len(ips) != nodes or rank is None:
+        raise SpecError(
+            f"SKYPILOT_NUM_NODES is {nodes} but SKYPILOT_NODE_IPS lists {len(ips)} address(es) and SKYPILOT_NODE_RANK "
+            f"is {rank!r}; a multi-node train stage runs under SkyPilot, which sets all three on every node"
+        )
+    return {"nnodes": nodes, "node_rank": int(rank), "master_addr": ips[0]}
+
+
+def launch(
+    nproc: int,
+    argv: list[str],
+    log=None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str = "127.0.0.1",
+    master_port: int = 29500,
+) -> int:
     """Run `python argv...` as `nproc` ranks under torchrun's agent on this node; 0 when every rank succeeded, else
-    the status of the rank that failed first, after one line on `log` (stderr) naming it."""
+    the status of the rank that failed first, after one line on `log` (stderr) naming it. With `nnodes` > 1 this node
+    is node `node_rank` of a static rendezvous at master_addr:master_port (torchrun --nnodes --node-rank
+    --master-addr), and the ranks are numbered node by node."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -57,15 +112,23 @@ def launch(nproc: int, argv: list[str], log=None) -> int:
     log = log or sys.stderr
     threads = max(1, len(os.sched_getaffinity(0)) // nproc)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    rendezvous = (
+        dict(rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", run_id=f"ballast-{uuid.uuid4().hex[:8]}")
+        if nnodes == 1
+        else dict(
+            rdzv_backend="static",
+            rdzv_endpoint=f"{master_addr}:{master_port}",
+            rdzv_configs={"rank": node_rank},
+            run_id="ballast",
+        )
+    )
     config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
+        min_nodes=nnodes,
+        max_nodes=nnodes,
         nproc_per_node=nproc,
-        run_id=f"ballast-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
         max_restarts=0,
         monitor_interval=0.2,
+        **rendezvous,
     )
     try:
         elastic_launch(config, sys.executable)(*argv)
@@ -81,9 +144,10 @@ def launch(nproc: int, argv: list[str], log=None) -> int:
         rank = min(failures, key=blame)
         code = failures[rank].exitcode
         what = f"exit status {code}" if code >= 0 else f"signal {-code}"
-        others = sorted(set(range(nproc)) - {rank})
+        world = nproc * nnodes
+        others = sorted(set(range(world)) - {rank})
         print(
-            f"rank {rank} of {nproc} failed ({what}); the other rank{'s' if len(others) > 1 else ''} "
+            f"rank {rank} of {world} failed ({what}); the other rank{'s' if len(others) > 1 else ''} "
             f"({', '.join(map(str, others))}) stopped",
             file=log,
         )

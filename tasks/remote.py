@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import builtins
 import json
+import os
 import re
 import sys
 import traceback
@@ -50,6 +51,7 @@ from pydantic import BaseModel, Field
 
 from infra.compute import (
     Compute,
+    ComputeError,
     LocalCompute,
     SkyPilotCompute,
     SkyPlan,
@@ -67,7 +69,7 @@ from tasks.probe_report import ProbeReport
 from tasks.record import store_uri
 from tasks.spec import SpecError, dump_spec, load_spec
 from tasks.train import RunInterrupted, TrainOutcome, run_training
-from trainer.checkpoint import CheckpointError, parse_step_dir, step_dir_name
+from trainer.checkpoint import Checkpoint, CheckpointError, parse_step_dir, step_dir_name
 from trainer.config import InputError
 from trainer.loop import Callbacks
 from trainer.samples import EVAL_SAMPLES_FILE, SAMPLES_FILE
@@ -87,7 +89,7 @@ def node_prefix(run_id: str) -> str:
 
 def node_spec(spec, tracking_uri: str, store_uri: str, project_dir: str):
     """The spec the node runs: the run's own, tracking and storage resolved, the node's project folder, and
-    `infra.compute: here` (on the node, training runs in the stage's process)."""
+    `infra.compute: here` (on the node, training runs in the stage's process, or its infra.nproc_per_node ranks)."""
     node = spec.model_copy(deep=True)
     node.tracking.uri, node.storage.uri, node.project_dir = tracking_uri, store_uri, project_dir
     node.infra.compute = "here"
@@ -321,6 +323,13 @@ def train_node(spec, run_id: str) -> TrainOutcome:
     tracking = Tracking(spec)
     source = tracking.fork_source_of(run_id)
     run = RunRecorder(tracking, spec, run_id, source, resumed=True)  # metrics: (metric, step) pairs never twice
+    restored = prepare_node(spec, run_id, run, source)
+    return train_prepared(spec, run_id, run, source, restored)
+
+
+def prepare_node(spec, run_id: str, run, source) -> int | None:
+    """This node's run directory: the store's newest checkpoint (its step; None: none yet), or a fork's checkpoint on
+    its first start. Once per node, before its ranks start (they share the directory)."""
     run.output_dir.mkdir(parents=True, exist_ok=True)
     restored = restore_from_store(run.store, run.checkpoint_prefix, run_id, run.output_dir)
     if restored is None and source.checkpoint_uri:  # a fork's first start: its verified checkpoint, from the store
@@ -330,13 +339,21 @@ def train_node(spec, run_id: str) -> TrainOutcome:
         + (f"resuming from the store's checkpoint at step {restored}" if restored else "starting at step 1"),
         flush=True,
     )
+    return restored
+
+
+def train_prepared(spec, run_id: str, run, source, restored: int | None) -> TrainOutcome:
+    """Train the prepared run directory; under torchrun, only global rank 0 records (MLflow, the store, step lines,
+    the outcome), as the trainer itself writes only on rank 0."""
+    if os.environ.get("RANK", "0") != "0":
+        return run_training(spec, run.output_dir, [], source, resume=restored is not None, progress=False)
     files = RunFiles(run.store, run_id, run.output_dir)
     hooks = [run.metrics, files, CheckpointUploader(run.store, run.checkpoint_prefix), StepLines()]
     outcome = run_training(spec, run.output_dir, hooks, source, resume=restored is not None, progress=False)
     run.metrics.close()
     if run.metrics.mismatches:
         shown = "; ".join(run.metrics.mismatches[:3])
-        tracking.set_tags(run_id, {"resume_mismatch": f"{len(run.metrics.mismatches)}: {shown}"})
+        run.tracking.set_tags(run_id, {"resume_mismatch": f"{len(run.metrics.mismatches)}: {shown}"})
     files.put()
     last = outcome.last_checkpoint
     run.store.write_text(
@@ -429,6 +446,8 @@ def run_node_stage(spec, args) -> int:
     if args.stage == "eval":
         eval_node(spec, args.run_id, args.step)
         return 0
+    if spec.infra.nproc_per_node * spec.infra.num_nodes > 1:
+        return train_ranks(spec, args)
     outcome = train_node(spec, args.run_id)
     if outcome.interrupted:  # a preemption's SIGTERM: the checkpoint is in the store; the exit says which signal
         stop = RunInterrupted(outcome.interrupted, outcome.last_step, outcome.last_checkpoint, run=f"run {args.run_id}")
@@ -436,6 +455,53 @@ def run_node_stage(spec, args) -> int:
         return stop.exit_code
     print(f"node: train done at step {outcome.last_step}", flush=True)
     return 0
+
+
+RANK_OF = "BALLAST_NODE_RANKS"  # set by this node's launcher for the ranks it starts: the directory is prepared
+FORK_OF = "BALLAST_NODE_FORK"  # and where it put a fork's checkpoint, on a fork's first start
+
+
+def train_ranks(spec, args) -> int:
+    """The train stage as infra.nproc_per_node ranks on this node (of infra.num_nodes, from SkyPilot's environment):
+    the launcher prepares the run directory once, then each rank runs this stage again under torchrun; rank 0
+    records. A rank's failure is one line naming it, and its exit status the stage's."""
+    from tasks.ranks import launch, node_launch
+    from tasks.record import RunRecorder, Tracking
+
+    tracking = Tracking(spec)
+    source = tracking.fork_source_of(args.run_id)
+    run = RunRecorder(tracking, spec, args.run_id, source, resumed=True)
+    if os.environ.get(RANK_OF):  # one of the ranks: the launcher restored the directory
+        if os.environ.get(FORK_OF):
+            source.checkpoint = Checkpoint.open(os.environ[FORK_OF], verify=False)  # the launcher verified it
+        restored = latest_step(run.output_dir)
+        outcome = train_prepared(spec, args.run_id, run, source, restored)
+        main = os.environ.get("RANK", "0") == "0"
+        if outcome.interrupted:
+            stop = RunInterrupted(
+                outcome.interrupted, outcome.last_step, outcome.last_checkpoint, run=f"run {args.run_id}"
+            )
+            if main:
+                print(f"node: {stop}", flush=True)
+            return stop.exit_code
+        if main:
+            print(f"node: train done at step {outcome.last_step}", flush=True)
+        return 0
+    where = node_launch(dict(os.environ))
+    prepare_node(spec, args.run_id, run, source)  # every node its own disk: each node's launcher restores its copy
+    os.environ[RANK_OF] = "1"
+    if source.checkpoint is not None:
+        os.environ[FORK_OF] = str(source.checkpoint.path)
+    nproc = spec.infra.nproc_per_node
+    print(f"node: {nproc} rank(s) here, {nproc * spec.infra.num_nodes} in all", flush=True)
+    argv = ["-m", "tasks.remote", "train", "--spec", args.spec, "--run-id", args.run_id]
+    return launch(nproc, argv, log=sys.stdout, **where)
+
+
+def latest_step(output_dir: Path) -> int | None:
+    """The step of the newest checkpoint in a run directory (None: none)."""
+    steps = [s for s in (parse_step_dir(d.name) for d in (output_dir / "checkpoints").glob("step-*")) if s is not None]
+    return max(steps) if steps else None
 
 
 def node_name(spec_name: str, run_id: str) -> str:
@@ -488,8 +554,15 @@ class NodeChoice(BaseModel):
 
 def check_compute(spec) -> None:
     """What a remote node could not use, refused before anything is provisioned (ComputeError, one line)."""
+    from tasks.ranks import check_stage_ranks
     from tasks.record import tracking_uri
 
+    try:
+        check_stage_ranks(spec)  # infra.nproc_per_node / num_nodes the compute cannot give, before anything else
+    except SpecError as e:
+        raise ComputeError(str(e)) from None
+    if spec.infra.compute == "here":
+        return
     uri = spec.tracking.uri or "sqlite:///(the project folder's mlflow.db)"
     if spec.infra.compute == "local":
         uri = tracking_uri(spec)

@@ -190,7 +190,15 @@ class InfraConfig(Section):
     )
     cpus: str | None = Field(None, description="e.g. '8', '16+'.")
     memory: str | None = Field(None, description="GB, e.g. '64+'.")
-    num_nodes: int = Field(1, ge=1, description="Nodes SkyPilot provisions.")
+    num_nodes: int = Field(
+        1, ge=1, description="Nodes SkyPilot provisions; the train stage runs nproc_per_node ranks on each (torchrun)."
+    )
+    nproc_per_node: int = Field(
+        1,
+        ge=1,
+        description="Trainer ranks (torchrun processes) per node in the train stage, with model.parallel: ddp or "
+        "fsdp2; more than 1 needs infra.compute: local or skypilot (on this machine alone: ballast train --nproc).",
+    )
     use_spot: bool = Field(
         False, description="Spot (preemptible) instances; a preempted run resumes from its checkpoints."
     )

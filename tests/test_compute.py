@@ -35,6 +35,7 @@ WAIT_S = 900
 
 
 def node_spec_dict(tiny_model, project: Path, **changes) -> dict:
+    sections = {"infra": {"compute": "local", "max_restarts": 2}, **changes}
     return tiny_spec(
         tiny_model,
         name="node-run",
@@ -42,8 +43,7 @@ def node_spec_dict(tiny_model, project: Path, **changes) -> dict:
         optim={"steps": STEPS, "learning_rate": 3e-3},
         checkpoint={"every": 2, "keep_last": 10},
         probe={"n": 2, "max_tokens": 16, "expected_length": 8, "max_malformed_rate": 1.0},
-        infra={"compute": "local", "max_restarts": 2},
-        **changes,
+        **sections,
     )
 
 
@@ -174,6 +174,33 @@ def test_a_bad_checkpoint_fails_the_probe_on_the_node_with_the_error_a_local_pro
         node.compute.teardown()
     assert str(there.value) == str(here.value) and "cannot probe" in str(here.value)
     assert not any("Traceback" in line or "cannot probe" in line for line in said)  # the flow raises its one line
+
+
+def test_a_two_rank_train_stage_on_the_node_equals_the_one_rank_run(tiny_model, uninterrupted, tmp_path):
+    """`infra.nproc_per_node: 2` (model.parallel: ddp): the node's train stage is two torchrun ranks (gloo), rank 0
+    recording. The run equals the one-rank run of the same spec: every step's reward logged once on the flow's MLflow
+    run, equal to fp32 reduction-order rounding, and the final adapter within tests/test_distributed.py's tolerance;
+    probe and eval read its checkpoint as any other."""
+    _, _, alone = uninterrupted
+    project = tmp_path / "project"
+    spec = node_spec_dict(tiny_model, project, infra={"compute": "local", "max_restarts": 2, "nproc_per_node": 2})
+    spec["model"]["parallel"] = "ddp"
+    state, result = run_flow(spec)
+    assert state.is_completed(), state.message
+    assert result.status == "finished" and result.last_step == STEPS
+    lines = flow_log_lines(state.state_details.flow_run_id)
+    assert any("node: 2 rank(s) here, 2 in all" in line for line in lines), lines
+    rewards = step_rewards(f"sqlite:///{project.resolve() / 'mlflow.db'}", result.run_id)
+    assert [s for s, _ in rewards] == list(range(1, STEPS + 1))  # each step once: rank 0 alone records
+    assert [v for _, v in rewards] == pytest.approx(alone.rewards, abs=1e-5)
+    got, want = adapter(result), adapter(alone)
+    assert got.keys() == want.keys()
+    # tests/test_distributed.py's parameter tolerance: 1 % of a step per update (Adam's g / sqrt(v) magnifies the
+    # rounding of a near-zero gradient summed in another order); measured 1.2e-5 against 1.8e-4 here
+    assert max(float((got[k] - want[k]).abs().max()) for k in got) <= 0.01 * 3e-3 * STEPS
+    assert result.eval.keys() == alone.eval.keys() and result.eval["eval/reward"] == pytest.approx(
+        alone.eval["eval/reward"]
+    )
 
 
 def test_a_nodes_error_is_raised_again_as_its_class_where_the_flow_knows_it():
@@ -396,6 +423,7 @@ def test_dryrun_of_a_two_node_on_demand_job_is_a_cluster_task_skypilot_accepts(t
 
     monkeypatch.setenv("HF_TOKEN", "x")
     path = spec_file(tmp_path, use_spot=False, num_nodes=2, accelerators="H200:2", cloud="k8s", disk_size=200)
+    path.write_text(path.read_text().replace("name_or_path:", "parallel: ddp\n  name_or_path:"))  # 2 ranks need it
     assert main(["run", str(path), "--dryrun"]) == 0
     out = capsys.readouterr().out
     assert "cluster (autodown after idle)" in out
@@ -426,6 +454,96 @@ def test_the_skypilot_compute_is_planned_without_provisioning(tmp_path, monkeypa
     plan = plan_skypilot(spec, spec.tracking.uri, "0123456789abcdef", tmp_path / "launch")
     launched = sky_task(plan.task_config(with_secret_values=True))
     assert {k: v.get_secret_value() for k, v in launched.secrets.items()} == {"HF_TOKEN": "x"}
+
+
+def test_a_multi_node_train_stage_runs_on_every_node_and_the_probe_and_eval_on_the_head(tmp_path, monkeypatch):
+    """SkyPilot runs the train stage's command on each of the cluster's nodes, where one launcher per node starts
+    its ranks (tasks/remote.py train_ranks); the probe and eval stages are tasks of one node."""
+    from infra.compute import stage_nodes
+    from tasks.remote import open_compute
+
+    monkeypatch.setenv("HF_TOKEN", "x")
+    data = yaml.safe_load(spec_file(tmp_path, num_nodes=2, nproc_per_node=4, use_spot=False).read_text())
+    data["model"]["parallel"] = "fsdp2"
+    spec = load_spec(data)
+    node = open_compute(spec, spec.tracking.uri, "0123456789abcdef")
+    plan = node.compute.plan
+    train = sky_task({**plan.task_config(), "run": " ".join(node.command("train")), "num_nodes": 2})
+    assert train.num_nodes == stage_nodes(plan, node.command("train")) == 2
+    assert stage_nodes(plan, node.command("eval", "--step=6")) == stage_nodes(plan, node.command("probe")) == 1
+    assert load_spec(plan.spec_file).infra.nproc_per_node == 4  # what each node's launcher starts
+
+
+def test_a_nodes_place_comes_from_skypilots_environment():
+    from tasks.ranks import node_launch
+    from tasks.spec import SpecError
+
+    assert node_launch({}) == {} and node_launch({"SKYPILOT_NUM_NODES": "1"}) == {}
+    env = {"SKYPILOT_NUM_NODES": "2", "SKYPILOT_NODE_RANK": "1", "SKYPILOT_NODE_IPS": "10.0.0.5\n10.0.0.6\n"}
+    assert node_launch(env) == {"nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.5"}
+    with pytest.raises(SpecError, match="SKYPILOT_NODE_IPS lists 1 address"):
+        node_launch({**env, "SKYPILOT_NODE_IPS": "10.0.0.5"})
+
+
+def test_two_nodes_launchers_meet_at_the_first_nodes_address_and_number_their_ranks_node_by_node(tmp_path):
+    """What SkyPilot starts on each node of a 2-node train stage, here as two processes of this machine: each
+    node's launcher (tasks.ranks.launch, its place from node_launch) starts one rank; they rendezvous at the first
+    node's address (static, as torchrun --nnodes 2 --node-rank R --master-addr) and form one gloo world of 2."""
+    from flows.runtime import free_port
+
+    rank_script = tmp_path / "rank.py"
+    rank_script.write_text(
+        "import os, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "t = torch.tensor([float(dist.get_rank() + 1)])\n"
+        "dist.all_reduce(t)\n"
+        "print(f'rank {dist.get_rank()} of {dist.get_world_size()} sum {t.item():g}', flush=True)\n"
+        "dist.destroy_process_group()\n"
+    )
+    port = free_port()
+    launcher = (
+        "import os, sys; from tasks.ranks import launch, node_launch; "
+        f"sys.exit(launch(1, [{str(rank_script)!r}], master_port={port}, **node_launch(dict(os.environ))))"
+    )
+    env = {**os.environ, "SKYPILOT_NUM_NODES": "2", "SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.1\n"}
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-c", launcher],
+            env={**env, "SKYPILOT_NODE_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
+        for r in (0, 1)
+    ]
+    outs = [node.communicate(timeout=120)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outs
+    assert "rank 0 of 2 sum 3" in outs[0] and "rank 1 of 2 sum 3" in outs[1], outs
+
+
+@pytest.mark.parametrize(
+    "infra, parallel, prompts, message",
+    [
+        ({"compute": "here", "nproc_per_node": 2}, "ddp", 2, "set infra.compute: local (ranks in a stage process"),
+        ({"compute": "local", "num_nodes": 2}, "ddp", 2, "infra.num_nodes: 2 with infra.compute: local"),
+        ({"compute": "local", "nproc_per_node": 2}, "none", 2, "model.parallel: none"),
+        ({"compute": "local", "nproc_per_node": 2}, "ddp", 3, "does not divide grpo.prompts_per_step 3"),
+    ],
+)
+def test_ranks_the_compute_cannot_give_are_refused_in_one_line_before_the_model_loads(
+    tiny_model, tmp_path, capsys, infra, parallel, prompts, message
+):
+    from flows.cli import main
+
+    spec = node_spec_dict(tiny_model, tmp_path / "project", infra={"max_restarts": 2, **infra})
+    spec["model"]["parallel"], spec["grpo"]["prompts_per_step"] = parallel, prompts
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["run", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and message in err, err
+    assert not (tmp_path / "project" / "mlflow.db").exists()
 
 
 def test_the_stage_entrypoint_refuses_bad_arguments():
