@@ -547,6 +547,9 @@ class NodeChoice(BaseModel):
     use_spot: bool | None = Field(None, description="spot instances, preemptions recovered from the store's checkpoint")
     cloud: str | None = Field(None, description="k8s, aws, gcp, aws/us-east-1, ...; default: the cheapest enabled")
     num_nodes: int | None = Field(None, ge=1, description="nodes for the job")
+    nproc_per_node: int | None = Field(
+        None, ge=1, description="trainer ranks per node (torchrun), with model.parallel ddp or fsdp2 in the spec"
+    )
 
     def overrides(self) -> list[str]:
         return [f"infra.{k}={json.dumps(v)}" for k, v in self.model_dump(exclude_none=True).items()]

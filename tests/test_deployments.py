@@ -170,7 +170,7 @@ def test_the_sweep_run_form_has_described_parameters_and_the_node_choice():
     assert all(field.get("description") for field in form.values())
     assert "PGPASSWORD" in form["storage"]["description"] and '"key.path=value"' in form["overrides"]["description"]
     choice = schema["definitions"]["NodeChoice"]["properties"]
-    assert {"compute", "accelerators", "use_spot", "cloud", "num_nodes"} == set(choice)
+    assert {"compute", "accelerators", "use_spot", "cloud", "num_nodes", "nproc_per_node"} == set(choice)
     assert choice["compute"]["anyOf"][0]["enum"] == ["here", "local", "skypilot"]
 
 
