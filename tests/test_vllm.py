@@ -519,6 +519,31 @@ def test_concurrent_trials_share_one_vllm_server_and_each_trains_as_it_would_alo
         assert_same_run(tmp_path / name, tmp_path / f"alone-{name}", steps, exact=False)
 
 
+def test_multi_turn_episodes_train_through_vllm_with_only_sampled_tokens_carrying_logprobs(
+    served, tool_model, tmp_path
+):
+    """A data.environment run on the vLLM engine: each turn is one request to the server (the conversation so far as
+    token ids: the sampled turns exactly as sampled, the inserted messages between them), the adapter pushed and
+    proved before the step's episodes. The engine's logprobs of the model's own tokens agree with the trainer's; the
+    inserted messages carry none and no loss."""
+    from tests.test_environment import env_trainer
+    from trainer.samples import read_rows
+
+    t = env_trainer(tool_model, tmp_path, rollout={"engine": "vllm", "vllm_url": served.server.url})
+    assert isinstance(t.engine, VLLMEngine)
+    result = t.train(2)
+    engine = t.engine
+    t.close()
+    for m in result.history:
+        assert m["episodes/turns_mean"] == 2.0 and m["episodes/cut_by_budget"] == 1.0  # CheckAgain outlasts 2 turns
+        assert m["episodes/drift"] == 0.0
+        assert m["sampling/frac_logprobs_valid"] == 1.0  # every model token has the engine's logprob
+        assert m["sampling/sampling_logp_difference/max"] < FP32_TOLERANCE
+    assert engine.last_sync.version.endswith("v000002")  # step 2's episodes were sampled by the pushed version 1
+    rows = read_rows(tmp_path / "samples.jsonl")
+    assert rows and all("[user] Check again.\n[assistant | loss] " in r["conversation"] for r in rows)
+
+
 def test_missing_vllm_python_names_the_fix(tiny_model, tmp_path):
     cfg = TrainerConfig.model_validate(
         tiny_spec(tiny_model, rollout={"engine": "vllm", "vllm_python": str(tmp_path / "no" / "python")})
