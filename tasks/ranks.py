@@ -91,6 +91,15 @@ def node_launch(env: dict[str, str]) -> dict:
     return {"nnodes": nodes, "node_rank": int(rank), "master_addr": ips[0]}
 
 
+def _rendezvous(nnodes: int, node_rank: int, master_addr: str, master_port: int) -> dict:
+    """One node: torchrun's c10d rendezvous on a free local port. Several: a static one at the first node, each
+    node giving its rank (torchrun --nnodes --node-rank --master-addr --master-port)."""
+    if nnodes == 1:
+        return dict(rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", run_id=f"ballast-{uuid.uuid4().hex[:8]}")
+    endpoint = f"{master_addr}:{master_port}"
+    return dict(rdzv_backend="static", rdzv_endpoint=endpoint, rdzv_configs={"rank": node_rank}, run_id="ballast")
+
+
 def launch(
     nproc: int,
     argv: list[str],
@@ -112,23 +121,13 @@ def launch(
     log = log or sys.stderr
     threads = max(1, len(os.sched_getaffinity(0)) // nproc)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    rendezvous = (
-        dict(rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", run_id=f"ballast-{uuid.uuid4().hex[:8]}")
-        if nnodes == 1
-        else dict(
-            rdzv_backend="static",
-            rdzv_endpoint=f"{master_addr}:{master_port}",
-            rdzv_configs={"rank": node_rank},
-            run_id="ballast",
-        )
-    )
     config = LaunchConfig(
         min_nodes=nnodes,
         max_nodes=nnodes,
         nproc_per_node=nproc,
         max_restarts=0,
         monitor_interval=0.2,
-        **rendezvous,
+        **_rendezvous(nnodes, node_rank, master_addr, master_port),
     )
     try:
         elastic_launch(config, sys.executable)(*argv)

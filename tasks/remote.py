@@ -69,7 +69,7 @@ from tasks.probe_report import ProbeReport
 from tasks.record import store_uri
 from tasks.spec import SpecError, dump_spec, load_spec
 from tasks.train import RunInterrupted, TrainOutcome, run_training
-from trainer.checkpoint import Checkpoint, CheckpointError, parse_step_dir, step_dir_name
+from trainer.checkpoint import Checkpoint, CheckpointError, list_checkpoints, parse_step_dir, step_dir_name
 from trainer.config import InputError
 from trainer.loop import Callbacks
 from trainer.samples import EVAL_SAMPLES_FILE, SAMPLES_FILE
@@ -474,7 +474,8 @@ def train_ranks(spec, args) -> int:
     if os.environ.get(RANK_OF):  # one of the ranks: the launcher restored the directory
         if os.environ.get(FORK_OF):
             source.checkpoint = Checkpoint.open(os.environ[FORK_OF], verify=False)  # the launcher verified it
-        restored = latest_step(run.output_dir)
+        found = list_checkpoints(run.output_dir / "checkpoints")
+        restored = found[-1][0] if found else None
         outcome = train_prepared(spec, args.run_id, run, source, restored)
         main = os.environ.get("RANK", "0") == "0"
         if outcome.interrupted:
@@ -496,12 +497,6 @@ def train_ranks(spec, args) -> int:
     print(f"node: {nproc} rank(s) here, {nproc * spec.infra.num_nodes} in all", flush=True)
     argv = ["-m", "tasks.remote", "train", "--spec", args.spec, "--run-id", args.run_id]
     return launch(nproc, argv, log=sys.stdout, **where)
-
-
-def latest_step(output_dir: Path) -> int | None:
-    """The step of the newest checkpoint in a run directory (None: none)."""
-    steps = [s for s in (parse_step_dir(d.name) for d in (output_dir / "checkpoints").glob("step-*")) if s is not None]
-    return max(steps) if steps else None
 
 
 def node_name(spec_name: str, run_id: str) -> str:

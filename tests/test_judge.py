@@ -516,6 +516,8 @@ def vllm_judge(tiny_model, tmp_path_factory):
                 str(port),
                 "--dtype",
                 "float32",
+                "--structured-outputs-config",  # compact JSON: a tiny judge's free whitespace ran out its max_tokens
+                '{"backend": "xgrammar", "disable_any_whitespace": true}',
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
