@@ -448,12 +448,19 @@ def run_node_stage(spec, args) -> int:
         return 0
     if spec.infra.nproc_per_node * spec.infra.num_nodes > 1:
         return train_ranks(spec, args)
-    outcome = train_node(spec, args.run_id)
-    if outcome.interrupted:  # a preemption's SIGTERM: the checkpoint is in the store; the exit says which signal
-        stop = RunInterrupted(outcome.interrupted, outcome.last_step, outcome.last_checkpoint, run=f"run {args.run_id}")
-        print(f"node: {stop}", flush=True)
+    return stage_exit(train_node(spec, args.run_id), args.run_id)
+
+
+def stage_exit(outcome: TrainOutcome, run_id: str, say: bool = True) -> int:
+    """The train stage's exit status, and its last line when `say` (rank 0): an interrupted one (a preemption's
+    SIGTERM: the checkpoint is in the store) exits with the signal's status."""
+    if outcome.interrupted:
+        stop = RunInterrupted(outcome.interrupted, outcome.last_step, outcome.last_checkpoint, run=f"run {run_id}")
+        if say:
+            print(f"node: {stop}", flush=True)
         return stop.exit_code
-    print(f"node: train done at step {outcome.last_step}", flush=True)
+    if say:
+        print(f"node: train done at step {outcome.last_step}", flush=True)
     return 0
 
 
@@ -477,17 +484,7 @@ def train_ranks(spec, args) -> int:
         found = list_checkpoints(run.output_dir / "checkpoints")
         restored = found[-1][0] if found else None
         outcome = train_prepared(spec, args.run_id, run, source, restored)
-        main = os.environ.get("RANK", "0") == "0"
-        if outcome.interrupted:
-            stop = RunInterrupted(
-                outcome.interrupted, outcome.last_step, outcome.last_checkpoint, run=f"run {args.run_id}"
-            )
-            if main:
-                print(f"node: {stop}", flush=True)
-            return stop.exit_code
-        if main:
-            print(f"node: train done at step {outcome.last_step}", flush=True)
-        return 0
+        return stage_exit(outcome, args.run_id, say=os.environ.get("RANK", "0") == "0")
     where = node_launch(dict(os.environ))
     prepare_node(spec, args.run_id, run, source)  # every node its own disk: each node's launcher restores its copy
     os.environ[RANK_OF] = "1"

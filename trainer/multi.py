@@ -169,12 +169,12 @@ def check_concurrent(cfg: TrainerConfig, first: TrainerConfig | None, name: str)
         )
     if first is None:
         return
-    if cfg.rollout.engine == "vllm" and (mine := _server_fields(cfg)) != _server_fields(first):
-        key = next(k for k in mine if mine[k] != _server_fields(first)[k])
+    mine, theirs = _server_fields(cfg), _server_fields(first)
+    if cfg.rollout.engine == "vllm" and mine != theirs:
+        key = next(k for k in mine if mine[k] != theirs[k])
         raise InputError(
-            f"trial {name}: rollout.{key} is {mine[key]!r} but the running trials' vLLM server has "
-            f"{_server_fields(first)[key]!r}; concurrent trials share one server — do not search over rollout.{key}, "
-            f"{fix}"
+            f"trial {name}: rollout.{key} is {mine[key]!r} but the running trials' vLLM server has {theirs[key]!r}; "
+            f"concurrent trials share one server — do not search over rollout.{key}, {fix}"
         )
     if cfg.model != first.model:
         mine, theirs = cfg.model.model_dump(), first.model.model_dump()
@@ -397,10 +397,7 @@ class ConcurrentTrials:
                 self.shared.model.set_adapter(members[0][0].adapter)
                 requests = [(prompts, params, None) for prompts, params, _ in requests]
             completions = self.shared.engine.generate_many(requests)
-            generate_s = time.perf_counter() - started
-            for (trial, step, indices, _, _), groups in zip(members, completions):
-                flat = [c for group in groups for c in group]
-                batches[trial.adapter] = RolloutBatch(step, indices, flat, [step - 1] * len(flat), generate_s)
+            batches.update(_batches(members, completions, time.perf_counter() - started))
         return batches
 
     def _sample_served(self, members: list[tuple]) -> dict[str, RolloutBatch]:
@@ -415,9 +412,13 @@ class ConcurrentTrials:
                 pool.submit(trial.trainer.engine.generate, prompts, params) for trial, _, _, prompts, params in members
             ]
             groups = [f.result() for f in futures]
-        generate_s = time.perf_counter() - started
-        batches = {}
-        for (trial, step, indices, _, _), trial_groups in zip(members, groups):
-            flat = [c for group in trial_groups for c in group]
-            batches[trial.adapter] = RolloutBatch(step, indices, flat, [step - 1] * len(flat), generate_s)
-        return batches
+        return _batches(members, groups, time.perf_counter() - started)
+
+
+def _batches(members: list[tuple], groups: list, generate_s: float) -> dict[str, RolloutBatch]:
+    """Each trial's RolloutBatch from its groups of completions, sampled by the version before its step."""
+    batches = {}
+    for (trial, step, indices, _, _), trial_groups in zip(members, groups):
+        flat = [c for group in trial_groups for c in group]
+        batches[trial.adapter] = RolloutBatch(step, indices, flat, [step - 1] * len(flat), generate_s)
+    return batches
