@@ -5,6 +5,9 @@ The choices:
 - **Refused before the model loads** (`check_ranks`), in one line: more ranks than CPU cores (gloo) or CUDA devices
   (NCCL), a world size that does not divide grpo.prompts_per_step (a group is never split across ranks),
   model.parallel: none with more than one rank, or fsdp2 for a model class that names no decoder layers to shard.
+- **With rollout.engine: vllm the ranks share one server**, which rank 0 starts (or connects to) and pushes each
+  adapter version to; every rank samples its own prompts from it (trainer/engines/vllm.py). Several nodes need
+  rollout.vllm_url: the server rank 0 starts listens on its own node's loopback.
 - **Each rank runs the same `ballast train` command** without --nproc; torchrun's environment (RANK, WORLD_SIZE,
   ...) tells the trainer it is one of N (trainer/distributed.py), one torch thread per core it is given.
 - **A rank that dies stops the others**: torchrun's agent ends the rest as soon as one exits with an error (and a
@@ -44,7 +47,11 @@ def check_ranks(spec: ExperimentSpec, nproc: int, here: bool = True) -> None:
         raise SpecError(str(e)) from None
     if nproc > 1:
         unsupported = {
-            "rollout.engine": (spec.rollout.engine, spec.rollout.engine != "hf", "hf (each rank samples its prompts)"),
+            "rollout.engine": (
+                spec.rollout.engine,
+                spec.rollout.engine == "offline",
+                "hf or vllm (each rank samples its prompts)",
+            ),
             "rollout.max_off_policy_steps": (spec.rollout.max_off_policy_steps, spec.rollout.max_off_policy_steps, "0"),
             "grpo.kl_ref_step_lag": (spec.grpo.kl_ref_step_lag, spec.grpo.kl_ref_step_lag, "null"),
         }
@@ -71,6 +78,12 @@ def check_stage_ranks(spec: ExperimentSpec) -> None:
         raise SpecError(
             f"infra.num_nodes: {nodes} with infra.compute: local: one machine is one node; set infra.num_nodes: 1 "
             "(and infra.nproc_per_node for its ranks) or infra.compute: skypilot"
+        )
+    if nodes > 1 and spec.rollout.engine == "vllm" and not spec.rollout.vllm_url:
+        raise SpecError(
+            f"infra.num_nodes: {nodes} with rollout.engine: vllm: the server rank 0 starts listens on its own node's "
+            "loopback, which the other nodes cannot reach; set rollout.vllm_url to a server every node reaches (on "
+            "the first node, where rank 0 writes the adapters it loads), or infra.num_nodes: 1"
         )
     check_ranks(spec, nproc * nodes, here=infra.compute == "local")
 

@@ -546,6 +546,28 @@ def test_ranks_the_compute_cannot_give_are_refused_in_one_line_before_the_model_
     assert not (tmp_path / "project" / "mlflow.db").exists()
 
 
+def test_several_nodes_on_vllm_need_a_server_every_node_reaches():
+    """Rank 0's own vLLM server listens on its node's loopback: several nodes need rollout.vllm_url; one node, or a
+    given server, is accepted."""
+    from tasks.ranks import check_stage_ranks
+    from tasks.spec import SpecError
+
+    def spec(nodes: int, **rollout):
+        return load_spec(
+            {
+                "model": {"name_or_path": "m", "parallel": "fsdp2"},
+                "grpo": {"prompts_per_step": 8},
+                "rollout": {"engine": "vllm", **rollout},
+                "infra": {"compute": "skypilot", "nproc_per_node": 2, "num_nodes": nodes},
+            }
+        )
+
+    with pytest.raises(SpecError, match="infra.num_nodes: 2 with rollout.engine: vllm: .* set rollout.vllm_url"):
+        check_stage_ranks(spec(2))
+    check_stage_ranks(spec(2, vllm_url="http://head.internal:8000"))
+    check_stage_ranks(spec(1))
+
+
 def test_the_stage_entrypoint_refuses_bad_arguments():
     out = subprocess.run([sys.executable, "-m", "tasks.remote", "train"], capture_output=True, text=True)
     assert out.returncode == 2 and "--spec" in out.stderr

@@ -599,6 +599,53 @@ def test_close_leaves_no_server_process(served):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
 
 
+# ------------------------------------------------------------------------------------------ torchrun's ranks
+
+
+def test_two_ranks_share_one_vllm_server_that_rank_0_starts_and_pushes_to(vllm_python, tiny_model, tmp_path):
+    """`ballast train --nproc 2` on the vLLM engine, FSDP2 over two gloo ranks: rank 0 starts the server and hands
+    its address to rank 1, pushes every adapter version (gathered whole from the shards) and proves it served, and
+    each rank samples its own prompts from that server. The run equals one process with a server of its own: the
+    same prompts, tokens and rewards, the engine's logprobs the trainer's on both ranks, the adapter to fp32
+    reduction order (tests/test_distributed.py ADAPTER_ATOL). No server outlives either run."""
+    from tests.test_distributed import _e2e_spec, _same_run, _train
+
+    def spec(parallel: str) -> dict:
+        s = _e2e_spec(tiny_model, parallel, 3)
+        s["rollout"].update(
+            engine="vllm",
+            vllm_python=str(vllm_python),
+            vllm_dtype="float32",
+            vllm_startup_timeout_s=STARTUP_TIMEOUT_S,
+            vllm_extra_args=["--block-size", "32"],
+        )
+        return s
+
+    one = _train(tmp_path, spec("none"), "one")
+    ranks = _train(tmp_path, spec("fsdp2"), "ranks", "--nproc", "2")
+    _same_run(ranks, one, 3)
+    for run in (one, ranks):
+        metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        for m in metrics:  # reduced over both ranks' tokens: rank 1 sampled the version rank 0 pushed, too
+            assert m["sampling/frac_logprobs_valid"] == 1.0
+            assert m["sampling/sampling_logp_difference/max"] < FP32_TOLERANCE
+        assert "Application startup complete" in (run / "vllm" / "server.log").read_text()  # rank 0's own server
+        assert not (run / "vllm" / "adapters").exists()  # every version pushed was unloaded and removed at close
+    assert not processes_in(tmp_path)  # each server stopped with its run (a server runs in its run's vllm/)
+
+
+def processes_in(folder: Path) -> list[str]:
+    """The command lines of this machine's processes whose working directory is inside `folder`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if Path(os.readlink(proc / "cwd")).is_relative_to(folder):
+                found.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except (OSError, ValueError):
+            continue
+    return found
+
+
 # ------------------------------------------------------------------------------------------ a real chat model
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -131,6 +132,7 @@ def is_main() -> bool:
 
 
 def close() -> None:
+    _WAITING_GROUPS.clear()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -209,6 +211,38 @@ def broadcast(value):
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+_WAITING_GROUPS: dict = {}  # from_main's gloo groups, by timeout
+MAIN_EXIT_WAIT_S = 30.0  # how long the other ranks give a failed rank 0 to exit before they do
+
+
+def from_main(work, timeout_s: float = DEFAULT_TIMEOUT_S):
+    """`work()` run on rank 0 alone and its (picklable) result handed to every rank, the others waiting up to
+    `timeout_s` (on a gloo group of their own, so a long wait such as a server start does not trip the process
+    group's timeout). When `work` raises, rank 0 raises it and the other ranks end with LOST_EXIT, so the launcher
+    names rank 0's error. One process: `work()`."""
+    if not _active():
+        return work()
+    if timeout_s not in _WAITING_GROUPS:  # every rank calls from_main in the same order: the same groups
+        _WAITING_GROUPS[timeout_s] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    group = _WAITING_GROUPS[timeout_s]
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [(True, work())]
+        except BaseException:
+            dist.broadcast_object_list([(False, None)], src=0, group=group)
+            raise
+    dist.broadcast_object_list(box, src=0, group=group)
+    done, result = box[0]
+    if not done:  # rank 0 is on its way out with its error; let it end first, so the launcher names it
+        rank = dist.get_rank()
+        time.sleep(MAIN_EXIT_WAIT_S)  # torchrun's agent ends this rank (SIGTERM) as soon as rank 0 has exited
+        print(f"rank {rank}: stopping, rank 0 failed", file=sys.stderr)
+        dist.destroy_process_group()
+        raise SystemExit(LOST_EXIT)
+    return result
 
 
 def _active() -> bool:
@@ -363,7 +397,10 @@ class Logprobs(nn.Module):
     def forward(self, input_ids, attention_mask, completion_len, **kwargs):
         from .logprobs import completion_logprobs
 
-        return completion_logprobs(self.policy, input_ids, attention_mask, completion_len, **kwargs)
+        out = completion_logprobs(self.policy, input_ids, attention_mask, completion_len, **kwargs)
+        # not views of the logits: FSDP2's root warns on every call that a view's in-place update would skip its
+        # backward hook (the loss updates nothing in place; a copy of B x T values costs nothing beside the logits)
+        return tuple(t.clone() if isinstance(t, Tensor) else t for t in out)
 
 
 def decoder_layer_classes(model: nn.Module) -> set[str]:

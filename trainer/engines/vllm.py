@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from .. import distributed
 from ..config import RolloutConfig
 from ..logprobs import completion_logprobs
 from ..model import load_tokenizer, resolve_dtype
@@ -59,6 +60,7 @@ CANARY_SEED = 0
 FP32_TOLERANCE = 1e-3  # canary logprobs, server and trainer both float32 (measured: ~1e-5)
 HALF_TOLERANCE = 0.1  # either side in bfloat16/float16 (a bf16 server vs an fp32 trainer: ~7e-2 seen)
 UNLOAD_TIMEOUT_S = 30.0  # unloading our adapter from a shared server at close
+WAIT_MARGIN_S = 60.0  # torchrun's ranks wait for rank 0's server start or push this much past its own timeout
 
 
 class ServedPolicyError(VLLMError):
@@ -144,9 +146,27 @@ class VLLMEngine:
 
     @classmethod
     def from_config(cls, cfg, tokenizer, workdir: str | Path) -> VLLMEngine:
-        """Start (or, with rollout.vllm_url, connect to) the server the TrainerConfig describes."""
+        """Start (or, with rollout.vllm_url, connect to) the server the TrainerConfig describes. Under torchrun the
+        ranks share one server: rank 0 starts it or connects, the others connect to the address it hands them, and
+        rank 0 alone pushes each adapter version (`sync_weights`); every rank samples its own prompts."""
         check_config(cfg)
         workdir = Path(workdir)
+        if not distributed.world().distributed:
+            return cls._serving(cfg, tokenizer, workdir)
+        engine = None
+
+        def serve() -> str:
+            nonlocal engine
+            engine = cls._serving(cfg, tokenizer, workdir)
+            return engine.server.url
+
+        url = distributed.from_main(serve, cfg.rollout.vllm_startup_timeout_s + WAIT_MARGIN_S)
+        if engine is None:  # a rank other than 0: the same server, never its owner
+            engine = cls.on_server(cfg, tokenizer, workdir, url)
+        return engine
+
+    @classmethod
+    def _serving(cls, cfg, tokenizer, workdir: Path) -> VLLMEngine:
         if cfg.rollout.vllm_url:
             return cls.on_server(cfg, tokenizer, workdir, cfg.rollout.vllm_url)
         server = start_server(cfg, workdir / "server.log")
@@ -168,7 +188,18 @@ class VLLMEngine:
     def sync_weights(self, model, step: int) -> ServedPolicy:
         """Push the trainer's adapter as a new version (new directory, new name), drop the old one, and — with
         rollout.policy_check — prove the server serves it. Everything after the adapter is written must finish
-        within rollout.policy_check_timeout_s; any failure raises ServedPolicyError naming what was wrong."""
+        within rollout.policy_check_timeout_s; any failure raises ServedPolicyError naming what was wrong.
+
+        Under torchrun every rank calls it with the whole weights (FSDP2's gathered: trainer/loop.py): rank 0 pushes
+        and checks, and the other ranks then sample the version it names."""
+        if not distributed.world().distributed:
+            return self._push(model, step)
+        timeout = self.rollout.policy_check_timeout_s + WAIT_MARGIN_S
+        self.last_sync = distributed.from_main(lambda: self._push(model, step), timeout)
+        self.served_model = self.last_sync.version  # the adapter's name on the server
+        return self.last_sync
+
+    def _push(self, model, step: int) -> ServedPolicy:
         started = time.perf_counter()
         path = self._write_adapter(model, step)
         deadline = time.monotonic() + self.rollout.policy_check_timeout_s
@@ -447,7 +478,10 @@ def _save_adapter(model, path: Path, overwrite: bool = False) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     adapter = model.active_adapter  # one of several when trials share the base model (trainer/multi.py)
-    model.save_pretrained(str(tmp), selected_adapters=[adapter])
+    # the weights as the parameters hold them: whole under torchrun's FSDP2 too (trainer/loop.py gathers them around
+    # the sync), where state_dict() would hand peft the shards
+    weights = {name: p.detach() for name, p in model.named_parameters()}
+    model.save_pretrained(str(tmp), selected_adapters=[adapter], state_dict=weights)
     if adapter != "default":  # peft writes a named adapter into a folder of that name: served as a lone one
         shutil.move(str(tmp / adapter), str(tmp.with_name(tmp.name + "-named")))
         shutil.rmtree(tmp)
