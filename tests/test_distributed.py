@@ -316,6 +316,39 @@ def test_a_rank_that_dies_stops_the_others_with_one_line_naming_it(capfd):
     # next test takes the agent out of)
 
 
+MAIN_FAILS = """
+import sys, time
+from trainer import distributed as dd
+world = dd.init("cpu", timeout_s=30)
+def start():
+    raise ValueError("the vLLM python /nowhere/python does not exist")
+try:
+    with dd.stop_when_others_are_lost():
+        print("rank", world.rank, "got", dd.from_main(start), flush=True)
+except ValueError as e:  # as the CLI ends a run: close what it opened (a few seconds), then print its one line
+    time.sleep(3)
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2)
+finally:
+    dd.close()  # as the trainer closes (else gloo's threads abort the interpreter at exit)
+"""
+
+
+def test_work_that_fails_on_rank_0_is_named_by_rank_0s_own_line(capfd):
+    """dd.from_main (a vLLM server rank 0 starts, an adapter it pushes): when rank 0's work fails, the others wait
+    for it to exit instead of exiting first, so the launcher's line names rank 0 and its error is on the terminal."""
+    from tasks.ranks import launch
+
+    status = launch(2, ["-c", MAIN_FAILS])
+    out, err = capfd.readouterr()
+    assert status == 2, err
+    assert "error: the vLLM python /nowhere/python does not exist" in err  # printed before rank 1 was stopped
+    assert [x for x in err.splitlines() if " of 2 failed" in x] == [
+        "rank 0 of 2 failed (exit status 2); the other rank (1) stopped"
+    ], err
+    assert " got " not in out
+
+
 def test_a_rank_whose_peer_died_fails_its_collective_with_lost_exit_instead_of_hanging(tmp_path):
     """Without torchrun's agent (which SIGTERMs the survivors as soon as one rank fails), the surviving rank's
     collective fails on the closed connection and stop_when_others_are_lost ends it with LOST_EXIT and one line."""
