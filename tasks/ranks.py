@@ -52,7 +52,6 @@ def check_ranks(spec: ExperimentSpec, nproc: int, here: bool = True) -> None:
                 spec.rollout.engine == "offline",
                 "hf or vllm (each rank samples its prompts)",
             ),
-            "rollout.max_off_policy_steps": (spec.rollout.max_off_policy_steps, spec.rollout.max_off_policy_steps, "0"),
             "grpo.kl_ref_step_lag": (spec.grpo.kl_ref_step_lag, spec.grpo.kl_ref_step_lag, "null"),
         }
         for field, (value, refused, fix) in unsupported.items():

@@ -11,6 +11,7 @@ of the two ranks equal the single process's (float32; the tolerance is below, fr
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from pathlib import Path
@@ -582,3 +583,38 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(tiny_model, tmp_path, o
     spec = _e2e_spec(tiny_model, parallel, 4)
     _train(tmp_path, spec, "run", "--nproc", first, "--steps", "2")
     _same_run(_train(tmp_path, spec, "run", "--nproc", then, "--resume"), one_process_run, 4)
+
+
+def test_rollouts_sampled_ahead_on_two_ranks_equal_one_process_and_resume_on_another_number(tiny_model, tmp_path):
+    """rollout.max_off_policy_steps: 1 on two FSDP2 ranks: each rank samples its shard of the next step's batch ahead,
+    by the older weights, as one process samples the whole; a checkpoint holds the global batch in flight (the ranks'
+    shards joined), and a run resumed from it on one rank trains on exactly that batch (and, the other way, two
+    ranks on their shards of one process's)."""
+    import shutil
+
+    spec = _e2e_spec(tiny_model, "fsdp2", 4)
+    spec["rollout"]["max_off_policy_steps"] = 1
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+
+    def in_flight(run: Path) -> list[tuple]:
+        state = json.loads((run / "checkpoints" / "step-000002" / "state" / "trainer_state.json").read_text())
+        return [
+            (b["step"], b["prompt_indices"], b["versions"], [c["token_ids"] for c in b["completions"]])
+            for b in state["rollouts"]["batches"]
+        ]
+
+    def halfway(run: Path, name: str) -> Path:
+        """A copy of `run` as it was after step 2's checkpoint: a run stopped there, step 3's batch in flight."""
+        (tmp_path / name).mkdir()
+        shutil.copytree(run, tmp_path / name / "run")
+        shutil.rmtree(tmp_path / name / "run" / "checkpoints" / "step-000004")
+        return tmp_path / name
+
+    one = _train(tmp_path / "one", spec, "run")
+    two = _train(tmp_path / "two", spec, "run", "--nproc", "2")
+    _same_run(two, one, 4)
+    assert in_flight(two) == in_flight(one)  # step 3's global batch: the two ranks' shards joined
+    assert [(step, len(indices)) for step, indices, *_ in in_flight(one)] == [(3, 2)]
+    _same_run(_train(halfway(two, "two-then-one"), spec, "run", "--resume"), one, 4)
+    _same_run(_train(halfway(one, "one-then-two"), spec, "run", "--nproc", "2", "--resume"), one, 4)

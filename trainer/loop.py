@@ -521,7 +521,7 @@ class GRPOTrainer:
     def save(self) -> Path:
         if self.world.distributed:
             return self._save_ranks()
-        return self._save(self.optimizer, self.model)
+        return self._save(self.optimizer, self.model, self.rollouts.state_dict())
 
     def _save_ranks(self) -> Path:
         """Rank 0 writes the checkpoint one process writes, from the whole weights (FSDP2's gathered) and, for FSDP2,
@@ -529,15 +529,16 @@ class GRPOTrainer:
         from . import dist_checkpoint
 
         model, optimizer = self.model, self.optimizer
+        in_flight = self.rollouts.state_dict()  # the global batches sampled ahead (each rank holds its shard)
         if self.cfg.model.parallel == "fsdp2":
             model = _SavedWith(self.model, dist_checkpoint.full_trainable_state(self.wrapped))
             optimizer = _StateOf(dist_checkpoint.full_optimizer_state(self.wrapped, self.optimizer))
         with dd.full_weights(self.wrapped):
-            path = self._save(optimizer, model) if self.world.main else None
+            path = self._save(optimizer, model, in_flight) if self.world.main else None
         return dd.broadcast(path)
 
-    def _save(self, optimizer, model) -> Path:
-        in_flight = self.rollouts.state_dict()  # batches sampled ahead (max_off_policy_steps); the sampler is past them
+    def _save(self, optimizer, model, in_flight: dict) -> Path:
+        """in_flight: the producer's state (batches sampled ahead, max_off_policy_steps; the sampler is past them)."""
         trainer_state = {
             "step": self.step,
             "rollouts": in_flight,

@@ -30,7 +30,7 @@ import hashlib
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 
@@ -168,18 +168,24 @@ class RolloutProducer:
 
     # ---------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict:
-        """The batches made and not yet trained on (waited for), and where the next one starts."""
+        """The batches made and not yet trained on (waited for), and where the next one starts. Under torchrun each
+        rank holds its shard of every batch; every rank calls this and gets the global batches, as one process
+        would have made them (the ranks' shards joined in rank order)."""
         self._wait_all()
-        return {"next_step": self.next_step, "batches": [self.made[s].result().to_json() for s in sorted(self.made)]}
+        batches = [self.made[s].result() for s in sorted(self.made)]
+        if distributed.world().distributed:
+            batches = [_joined(parts) for parts in zip(*distributed.gather([batches]))]
+        return {"next_step": self.next_step, "batches": [b.to_json() for b in batches]}
 
     def load_state_dict(self, state: dict | None) -> None:
-        """After the sampler's own state: the saved batches are the next ones trained on."""
+        """After the sampler's own state: the saved batches are the next ones trained on — each rank's shard of them,
+        whatever the world size that saved them."""
         self.made = {}
         if not state:
             self.next_step = None
             return
         for d in state["batches"]:
-            batch = RolloutBatch.from_json(d)
+            batch = _shard(RolloutBatch.from_json(d), self.group_size)
             self.made[batch.step] = _finished(batch)
         self.next_step = state["next_step"]
 
@@ -187,6 +193,33 @@ class RolloutProducer:
         """Stop taking work; a generation still running ends with the engine (closed after this)."""
         if self.background:
             self.background.stop()
+
+
+def _joined(parts: Sequence[RolloutBatch]) -> RolloutBatch:
+    """The ranks' shards of one step's batch, in rank order: the global batch."""
+    return RolloutBatch(
+        step=parts[0].step,
+        prompt_indices=[i for p in parts for i in p.prompt_indices],
+        completions=[c for p in parts for c in p.completions],
+        versions=[v for p in parts for v in p.versions],
+        generate_s=max(p.generate_s for p in parts),
+    )
+
+
+def _shard(batch: RolloutBatch, group_size: int) -> RolloutBatch:
+    """This rank's whole groups of a global batch (`distributed.shard_range`, as `_request` draws them)."""
+    world = distributed.world()
+    if not world.distributed:
+        return batch
+    prompts = distributed.shard_range(len(batch.prompt_indices), world.rank, world.size)
+    rows = slice(prompts.start * group_size, prompts.stop * group_size)
+    return RolloutBatch(
+        step=batch.step,
+        prompt_indices=batch.prompt_indices[prompts.start : prompts.stop],
+        completions=batch.completions[rows],
+        versions=batch.versions[rows],
+        generate_s=batch.generate_s,
+    )
 
 
 def _finished(batch: RolloutBatch) -> Future:
