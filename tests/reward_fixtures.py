@@ -108,3 +108,16 @@ def echo_columns(completions, answers, prompts, **kwargs):
 
 
 SEEN: list = []
+
+
+def dies_mid_step(completions, answers, prompts):
+    """0 for every completion. With BALLAST_TEST_SIGKILL="RANK:PATH", the process of torchrun rank RANK kills itself
+    with SIGKILL on its first call once PATH exists (a checkpoint directory): mid-step, after its rollouts and before
+    the update, in the step after that checkpoint (tests/test_distributed.py)."""
+    import os
+    import signal
+
+    rank, _, path = os.environ.get("BALLAST_TEST_SIGKILL", "").partition(":")
+    if path and rank == os.environ.get("RANK") and os.path.exists(path):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return [0.0] * len(completions)

@@ -585,6 +585,36 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(tiny_model, tmp_path, o
     _same_run(_train(tmp_path, spec, "run", "--nproc", then, "--resume"), one_process_run, 4)
 
 
+def test_a_rank_sigkilled_mid_step_and_the_run_resumed_equal_the_uninterrupted_run(tiny_model, tmp_path, monkeypatch):
+    """Rank 1 dies of SIGKILL in step 3, after its rollouts and before the update: the launcher names it, the others
+    stop, nothing of step 3 is recorded, and `--resume` from step 2's checkpoint gives the uninterrupted run."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    spec = _e2e_spec(tiny_model, "ddp", 4)
+    spec["rewards"].append({"name": "tests.reward_fixtures:dies_mid_step"})
+    for name in ("straight", "killed"):
+        (tmp_path / name).mkdir()
+    straight = _train(tmp_path / "straight", spec, "run", "--nproc", "2")
+    monkeypatch.setenv("BALLAST_TEST_SIGKILL", f"1:{tmp_path / 'killed' / 'run' / 'checkpoints' / 'step-000002'}")
+    (tmp_path / "killed" / "spec.yaml").write_text(yaml.safe_dump({"name": "ranks", **spec}))
+    cmd = [sys.executable, "-m", "flows.cli", "train", str(tmp_path / "killed" / "spec.yaml"), "--output",
+           str(tmp_path / "killed" / "run"), "--quiet", "--nproc", "2"]  # fmt: skip
+    killed = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parent.parent)
+    assert killed.returncode != 0
+    assert [x for x in killed.stderr.splitlines() if " of 2 failed" in x] == [
+        "rank 1 of 2 failed (signal 9); the other rank (0) stopped"
+    ], killed.stderr[-2000:]
+    steps = [
+        json.loads(line)["step"] for line in (tmp_path / "killed" / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert steps == [1, 2]
+    monkeypatch.delenv("BALLAST_TEST_SIGKILL")
+    _same_run(_train(tmp_path / "killed", spec, "run", "--nproc", "2", "--resume"), straight, 4)
+
+
 def test_rollouts_sampled_ahead_on_two_ranks_equal_one_process_and_resume_on_another_number(tiny_model, tmp_path):
     """rollout.max_off_policy_steps: 1 on two FSDP2 ranks: each rank samples its shard of the next step's batch ahead,
     by the older weights, as one process samples the whole; a checkpoint holds the global batch in flight (the ranks'
