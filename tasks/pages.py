@@ -75,7 +75,23 @@ def commit_link(commit: str, remote: str | None = None) -> str | None:
     return f"https://{host}/{repo}/{path}/{commit}"
 
 
-_ENV.filters.update(number=number, significant=significant, percent=percent, data_uri=data_uri, commit_link=commit_link)
+def episode_turns(conversation: str, prompt: str) -> str:
+    """A multi-turn episode as a samples table shows it: its messages from the row's own question on — the model's
+    turns (marked `| loss`, the tokens trained on), its tool calls and the tools' results — without the system prompt
+    and worked examples before it; the whole conversation when the question is not found in it."""
+    question = f"[user] {prompt}"
+    at = conversation.rfind(question)
+    return conversation if at < 0 else conversation[at + len(question) :].lstrip("\n")
+
+
+_ENV.filters.update(
+    number=number,
+    significant=significant,
+    percent=percent,
+    data_uri=data_uri,
+    commit_link=commit_link,
+    episode_turns=episode_turns,
+)
 
 
 def render_page(template: str, path: str | Path, **context) -> Path:

@@ -19,7 +19,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-from matplotlib.ticker import FuncFormatter  # noqa: E402
+from matplotlib.ticker import FuncFormatter, MaxNLocator  # noqa: E402
 
 from tasks.pages import commit_link, render_page  # noqa: E402
 from tasks.probe_report import ProbeReport  # noqa: E402
@@ -108,6 +108,7 @@ def draw_plot(plot: Plot, history: list[dict], health: HealthConfig | None = Non
         ax.axvline(gate[0], color=GATE_COLOR, linewidth=1.5, label=f"health gate stopped the run (step {gate[0]})")
     ax.set(xlabel="step", ylabel=plot.ylabel, title=plot.title)
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))  # no '1e-5' offset over the title
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: no 10.25 between two points
     labels = ax.get_legend_handles_labels()[1]
     ncol = 1 if max(map(len, labels), default=0) > LEGEND_COLUMN_CHARS else 2  # long names: one column
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=ncol, frameon=False)

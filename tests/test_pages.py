@@ -124,7 +124,7 @@ def history(steps: int, collapse_from: int | None = None) -> list[dict]:
     return out
 
 
-def run_report(tmp: Path, steps: int, stopped: str | None = None) -> Path:
+def run_report(tmp: Path, steps: int, stopped: str | None = None, episodes: bool = False) -> Path:
     hist = history(steps, collapse_from=steps - 2 if stopped else None)
     plots = plot_history(hist, tmp / "plots", HealthConfig(), (steps, stopped) if stopped else None)
     result = PipelineResult(
@@ -178,6 +178,35 @@ def run_report(tmp: Path, steps: int, stopped: str | None = None) -> Path:
             },
         ],
     }
+    if episodes:  # a data.environment run's rows (trainer/samples.py): the whole conversation beside the last turn
+        question = "Zoe has 9636 books and buys 2781 more. How many books does Zoe have?"
+        samples = {
+            "Held-out samples (final checkpoint, step 30)": [
+                {
+                    "step": steps,
+                    "prompt": question,
+                    "answer": "12417",
+                    "completion": "Zoe has 12417 books.",
+                    "reward": 1.1,
+                    "tokens": 40,
+                    "finish_reason": "stop",
+                    "truncated": False,
+                    "conversation": "\n".join(
+                        [
+                            "[system] You solve math problems with a calculator. # Tools ...",
+                            "[user] Ava has 3127 stamps and buys 4518 more. How many stamps does Ava have now?",
+                            '[assistant] <tool_call>{"name": "calculate", "arguments": {"expression": "3127 + 4518"}}',
+                            "[tool calculate] 7645",
+                            f"[user] {question}",
+                            '[assistant | loss] <tool_call>{"name": "calculate", "arguments": '
+                            '{"expression": "9636 + 2781"}}</tool_call>',
+                            "[tool calculate] 12417",
+                            "[assistant | loss] Zoe has 12417 books.",
+                        ]
+                    ),
+                }
+            ]
+        }
     code = {"commit": "a" * 40, "dirty": True}
     return write_run_report(tmp / "report.html", result, plots, None, links, code, samples)
 
@@ -206,6 +235,20 @@ def test_run_report_shows_what_the_model_wrote_and_held_out_uncertainty(browser,
     assert "30 What is 7+46? 53 53 53 53 53 53 53 0.1 24 length" in rows
 
 
+def test_run_report_shows_an_episodes_turns_tool_calls_and_results_where_the_loss_applies(browser, tmp_path):
+    """A data.environment run's samples: the episode from the row's question on — the model's turns marked `| loss`,
+    its tool call, the tool's result — not only its last turn, and not the system prompt and worked example."""
+    page = Page(browser, run_report(tmp_path, steps=30, episodes=True))
+    assert_clean(page)
+    rows = re.sub(r"\s+", " ", page.text)
+    assert "episode (the model's turns marked | loss)" in rows
+    assert (
+        '[assistant | loss] <tool_call>{"name": "calculate", "arguments": {"expression": "9636 + 2781"}}</tool_call> '
+        "[tool calculate] 12417 [assistant | loss] Zoe has 12417 books. 1.1 40 stop"
+    ) in rows
+    assert "[system]" not in rows and "3127 + 4518" not in rows  # the prompt's part, shown in the prompt column
+
+
 def test_every_plot_legend_fits_its_figure_and_far_above_means_off_the_axis():
     """A legend as wide as its longest names would be cut at the figure's sides (the 'engine vs trainer logprob'
     plot's was); a threshold the axis already spans is drawn, only one far above it is named 'far above'."""
@@ -224,6 +267,20 @@ def test_every_plot_legend_fits_its_figure_and_far_above_means_off_the_axis():
     assert not [label for label in labels["health"] if "far above" in label]
     assert "gate: kl > 1 (far above the axis)" in labels["kl"]  # a 0.06 curve
     assert "gate: sampling/sampling_logp_difference/max > 0.5 (far above the axis)" in labels["sampling"]
+
+
+def test_a_plot_of_a_few_steps_marks_whole_steps_only():
+    """Three points at steps 10-12 (a gate's windowed signal, late in a short run): ticks 10, 11, 12, not 10.25."""
+    import matplotlib.pyplot as plt
+
+    history = [{"step": s, "hacking/correctness_rise": 0.8 - 0.4 * (s - 10)} for s in (10, 11, 12)]
+    for plot in PLOTS:
+        fig = draw_plot(plot, history)
+        if fig is None:
+            continue
+        ticks = [t for t in fig.axes[0].get_xticks() if 10 <= t <= 12]
+        plt.close(fig)
+        assert ticks == [10, 11, 12], (plot.name, ticks)
 
 
 def test_run_report_of_a_collapsed_run_says_why_in_its_banner(browser, tmp_path):
