@@ -49,6 +49,7 @@ The choices, on purpose:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -68,6 +69,8 @@ from tasks.spec import (
 from trainer.config import HealthConfig
 from trainer.health import GATE_SIGNALS, counts_in
 from trainer.metrics import METRICS
+
+from .split import Split, plan_split
 
 BASELINE_SECTIONS = ("model", "data", "eval", "rewards")  # what the baseline shares with every trial
 
@@ -209,6 +212,33 @@ class PrunerSpec(_Strict):
     max_resource: int | None = Field(None, ge=1, description="hyperband: steps of a full trial (default: observed).")
 
 
+class ConfirmSpec(_Strict):
+    """What happens after the search (sweeps/split.py, sweeps/confirmation.py): the held-out split, the trials scored
+    on the confirmation prompts, and the training seeds the winner must hold across."""
+
+    top_k: int = Field(
+        3, ge=1, description="Completed trials, best on the selection prompts first, scored on the confirmation set."
+    )
+    seeds: int = Field(
+        3,
+        ge=1,
+        description="Training seeds the verdict must hold across: the confirmed winner and runner-up are trained "
+        "seeds - 1 more times with other optim.seed and rollout.seed (the prompts and their order stay).",
+    )
+    share: float = Field(0.5, gt=0, lt=1, description="Share of the held-out prompts kept back for confirmation.")
+    min_prompts: int = Field(
+        32, ge=1, description="Prompts each part of the split needs at least; a smaller held-out set is not split."
+    )
+    data: str | None = Field(
+        None,
+        description="A file of confirmation rows of your own (the forms data.source takes; relative to the sweep "
+        "file); every held-out prompt then selects.",
+    )
+
+
+CONFIRM_RUN_FIELDS = ("top_k", "seeds")  # what happens after the search: a resume may change them
+
+
 class HeartbeatSpec(_Strict):
     """How a trial whose worker died is noticed: the worker writes a heartbeat every `interval` s; a
     RUNNING trial silent for `grace_period` s is failed (not counted) and its configuration retried."""
@@ -244,6 +274,9 @@ class SweepSpec(_Strict):
     concurrent_trials: int = Field(
         1, ge=1, description="Trials a worker trains at once as LoRA adapters over one base model (1: one at a time)."
     )
+    confirm: ConfirmSpec = Field(
+        default_factory=ConfirmSpec, description="The confirmation split, the trials confirmed, the seeds."
+    )
 
     @field_validator("storage")
     @classmethod
@@ -276,8 +309,10 @@ class SweepSpec(_Strict):
         return [o.direction for o in self.objectives]
 
     def definition(self) -> dict:
-        """What a study is bound to: a rerun may change the trial count, storage and heartbeat, not this."""
-        return self.model_dump(mode="json", exclude=RUN_FIELDS)
+        """What a study is bound to: a rerun may change the trial count, storage and heartbeat, and what happens after
+        the search (confirm.top_k, confirm.seeds), not this."""
+        excluded = {**dict.fromkeys(RUN_FIELDS, True), "confirm": set(CONFIRM_RUN_FIELDS)}
+        return self.model_dump(mode="json", exclude=excluded)
 
 
 # ------------------------------------------------------------------------------------------ loading
@@ -306,6 +341,8 @@ def load_sweep(source: str | Path | dict, sets: list[str] | tuple = ()) -> Sweep
     if sweep.study is None and stem:
         sweep.study = stem
     sweep.base = _base_mapping(sweep.base, here, where)
+    if sweep.confirm.data is not None:
+        sweep.confirm.data = _confirmation_file(sweep.confirm.data, here, where)
     for item in sets:
         key = item.split("=", 1)[0].strip()
         if "=" in item:
@@ -335,6 +372,19 @@ def _base_mapping(base: str | dict, here: Path, where: str) -> dict:
     )
 
 
+def _confirmation_file(value: str, here: Path, where: str) -> str:
+    """confirm.data, absolute (relative to the sweep file, then the working directory), its rows read and checked."""
+    from trainer.data import locate_data_file, read_examples
+
+    try:
+        path = locate_data_file(value, "confirm.data", here)
+        if not read_examples(path, "confirm.data", "test"):
+            raise ValueError(f"confirm.data: {path} holds no rows; give a file of confirmation rows, or leave it out")
+    except (ValueError, FileNotFoundError) as e:
+        raise SweepError(f"{where}: {e}") from None
+    return path
+
+
 def check_space(sweep: SweepSpec, where: str = "sweep") -> None:
     """Every override and space field names a spec field, every edge value of the space is one the spec
     accepts, and sampler, pruner and trial count fit the space — so a typo or an impossible range fails
@@ -342,6 +392,13 @@ def check_space(sweep: SweepSpec, where: str = "sweep") -> None:
     if not sweep.space:
         raise SweepError(
             f"{where}: field 'space' is empty; add at least one dotted spec field, e.g. optim.learning_rate"
+        )
+    if (sweep.base.get("eval") or {}).get("split") is not None or any(
+        k == "eval.split" or k.startswith("eval.split.") for k in sweep.overrides
+    ):
+        raise SweepError(
+            f"{where}: field 'eval.split' is the sweep's to set (its selection prompts, sweeps/split.py); leave it out "
+            "and say how to split with confirm.share, confirm.min_prompts or confirm.data"
         )
     for key in sweep.overrides:
         _check_field(key, f"{where}: field 'overrides.{key}'")
@@ -438,12 +495,52 @@ def _check_field(dotted: str, label: str) -> None:
 
 
 def base_spec(sweep: SweepSpec) -> dict:
-    """The base spec with the sweep's overrides applied, as a plain mapping (validated)."""
+    """The base spec with the sweep's overrides applied, as a plain mapping (validated), and its evals on the selection
+    prompts of the sweep's split (`eval.split`, sweeps/split.py) — what every trial starts from."""
+    data = baseline_spec(sweep)
+    selection = sweep_split(sweep, data).selection_eval()
+    if selection is not None:
+        data.setdefault("eval", {})["split"] = selection
+    return data
+
+
+def baseline_spec(sweep: SweepSpec) -> dict:
+    """The base spec with the sweep's overrides applied, as a plain mapping (validated): its evals score every
+    held-out prompt, selection and confirmation ones (the baseline's, read part by part)."""
     data = json.loads(json.dumps(sweep.base))
     for key, value in sweep.overrides.items():
         set_path(data, f"{key}={json.dumps(value)}")
     validate_spec(data, "sweep base spec with overrides")
     return data
+
+
+def sweep_split(sweep: SweepSpec, base: dict | None = None) -> Split:
+    """How the sweep's held-out prompts split into selection and confirmation ones (sweeps/split.py): nothing is kept
+    back for an objective that is not a held-out score, or for two objectives (a Pareto set has no one winner)."""
+    spec = validate_spec(base if base is not None else baseline_spec(sweep), "sweep base spec")
+    c, first = sweep.confirm, sweep.objectives[0]
+    n = _held_out_size(json.dumps(spec.data.model_dump(mode="json"), sort_keys=True))
+    if len(sweep.objectives) > 1 or not first.metric.startswith("eval/"):
+        why = "two objectives: a Pareto set has no one winner" if len(sweep.objectives) > 1 else None
+        why = why or f"the objective {first.key} is not a held-out score"
+        return Split("none", n, sweep.seed, c.share, list(range(n)), reason=f"{why}; nothing to confirm")
+    n_file = _confirmation_size(c.data) if c.data else 0
+    return plan_split(n, sweep.seed, c.share, c.min_prompts, c.data, n_file)
+
+
+@functools.lru_cache(maxsize=16)
+def _held_out_size(data_json: str) -> int:
+    from trainer.config import DataConfig
+    from trainer.data import load_datasets
+
+    return len(load_datasets(DataConfig.model_validate(json.loads(data_json)))[1])
+
+
+@functools.lru_cache(maxsize=4)
+def _confirmation_size(path: str) -> int:
+    from trainer.data import read_examples
+
+    return len(read_examples(path, "confirm.data", "test"))
 
 
 def trial_spec(

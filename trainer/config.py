@@ -7,6 +7,7 @@ eval, tracking, storage and infra) into the whole experiment spec; the trainer o
 
 from __future__ import annotations
 
+import random
 import re
 import string
 from pathlib import Path
@@ -737,6 +738,25 @@ class HealthConfig(Section):
     )
 
 
+class HeldOutSplit(Section):
+    """A sweep's split of the held-out set (sweeps/split.py): a seeded share of the rows is kept for confirmation,
+    which no trial decision reads; the rest are the selection prompts trials are scored, pruned and ranked on."""
+
+    part: Literal["selection", "confirmation"] = Field(description="The part of the held-out rows this eval scores.")
+    confirm_share: float = Field(0.5, gt=0, lt=1, description="Share of the held-out rows kept for confirmation.")
+    seed: int = Field(0, description="Seed of the split: which rows are confirmation rows.")
+
+
+def split_indices(n: int, seed: int, confirm_share: float) -> tuple[list[int], list[int]]:
+    """The rule of a HeldOutSplit: (selection rows, confirmation rows) of a held-out set of n rows — a seeded shuffle of
+    range(n), its first round(n * confirm_share) rows kept for confirmation; each part in the held-out set's order."""
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    confirm = sorted(order[: round(n * confirm_share)])
+    chosen = set(confirm)
+    return [i for i in range(n) if i not in chosen], confirm
+
+
 class EvalConfig(Section):
     """Held-out evaluation, decoded exactly as a standalone user would: the chat template, then
     `model.generate` with these settings (greedy by default) — the same function during training and
@@ -765,6 +785,24 @@ class EvalConfig(Section):
         "with correctness = True); with none, eval/accuracy is not computed and eval/reward, the "
         "weighted total, is the held-out score.",
     )
+    samples_per_prompt: int = Field(
+        1,
+        ge=1,
+        description="Completions sampled per held-out prompt (eval.temperature > 0); a prompt's score is their mean "
+        "and standard errors are taken over prompts, so the interval counts the prompts, not the samples.",
+    )
+    split: HeldOutSplit | None = Field(
+        None, description="Score one part of a split held-out set (a sweep sets it); None: every held-out row."
+    )
+
+    @model_validator(mode="after")
+    def _samples_need_sampling(self):
+        if self.samples_per_prompt > 1 and self.temperature == 0:
+            raise ValueError(
+                f"samples_per_prompt: {self.samples_per_prompt} with temperature 0 (greedy) decodes the same "
+                "completion each time; set eval.temperature above 0, or samples_per_prompt: 1"
+            )
+        return self
 
 
 class TrainerConfig(Section):

@@ -14,6 +14,14 @@ model.generate turn by turn, the tools run between turns), scored on its last tu
 turns, tool calls, errors and cuts.
 `score_held_out` also keeps the per-prompt scores, in the held-out set's order, so two models scored on the same
 prompts can be compared pair by pair (sweeps/baseline.py: a trial against its base model).
+
+Two choices serve a sweep's statistics (sweeps/statistics.py):
+- `eval.samples_per_prompt: k` samples k completions of each prompt; a prompt's score is the mean of its k, and every
+  standard error is taken over prompts (the sample deviation of the per-prompt means over sqrt(n)), so k samples
+  narrow the interval by what they add about each prompt, never as if they were k·n independent prompts.
+- `eval.split` scores one part of the held-out set: `split_indices` deals the rows, by a seeded shuffle, into
+  selection and confirmation rows (trainer/config.py; sweeps/split.py records the rule on the study); the part's rows
+  keep their order.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import math
 
 import torch
 
-from .config import DataConfig, EvalConfig
+from .config import DataConfig, EvalConfig, HeldOutSplit, split_indices
 from .data import Example, render_prompt, reward_columns
 from .samples import sample_rows
 
@@ -102,44 +110,39 @@ def evaluate_with_samples(
 def score_held_out(
     model, tokenizer, examples: list[Example], cfg: EvalConfig, rewards, data: DataConfig | None = None, step: int = 0
 ) -> tuple[dict[str, float], dict[str, list[float]], list[dict]]:
-    """(metrics with their standard errors, per-prompt scores {'reward', 'accuracy', 'length'} in the order of
-    `examples`, sample rows)."""
+    """(metrics with their standard errors, per-prompt scores {'reward', 'accuracy', 'length'} in the order of the
+    rows scored — `examples`, or its `eval.split` part — each the mean of the prompt's eval.samples_per_prompt
+    completions, sample rows)."""
+    examples = held_out_part(examples, cfg.split)
     if not examples:
         return {}, {}, []
+    k = cfg.samples_per_prompt
+    drawn = [e for e in examples for _ in range(k)]  # each prompt's k samples side by side
     episodes = None
     if data is not None and data.environment is not None:  # the environment's episodes, decoded the same way
         from .episodes import add_environment_reward, conversation_text, episode_metrics, run_held_out
 
-        episodes = run_held_out(model, tokenizer, examples, data, cfg.max_tokens, cfg.temperature, cfg.batch_size)
+        episodes = run_held_out(model, tokenizer, drawn, data, cfg.max_tokens, cfg.temperature, cfg.batch_size)
         texts = [c.text for c in episodes]
         lengths = [sum(c.loss_mask) for c in episodes]  # the tokens the model generated, over all its turns
         endings = [c.finish_reason for c in episodes]
     else:
         texts, lengths, endings = generate(
-            model, tokenizer, [e.prompt for e in examples], cfg.max_tokens, cfg.temperature, cfg.batch_size, data=data
+            model, tokenizer, [e.prompt for e in drawn], cfg.max_tokens, cfg.temperature, cfg.batch_size, data=data
         )
-    total, parts = rewards(
-        texts, [e.answer for e in examples], [e.prompt for e in examples], **reward_columns(examples)
-    )
+    total, parts = rewards(texts, [e.answer for e in drawn], [e.prompt for e in drawn], **reward_columns(drawn))
     if episodes is not None:
         total, parts = add_environment_reward(total, parts, episodes)
     accuracy_name = rewards.accuracy_name(cfg.reward)
-    per_prompt = {"reward": [float(r) for r in total], "length": [float(n) for n in lengths]}
+    per_sample = {"reward": [float(r) for r in total], "length": [float(n) for n in lengths]}
     if accuracy_name is not None:
-        per_prompt["accuracy"] = [1.0 if a >= 1.0 else 0.0 for a in parts[accuracy_name]]
-    out = {
-        "eval/reward": mean(per_prompt["reward"]),
-        "eval/reward_stderr": stderr(per_prompt["reward"]),
-        "eval/mean_length": mean(per_prompt["length"]),
-    }
-    if "accuracy" in per_prompt:
-        p = mean(per_prompt["accuracy"])
-        out["eval/accuracy"] = p
-        out["eval/accuracy_stderr"] = math.sqrt(p * (1 - p) / len(per_prompt["accuracy"]))
+        per_sample["accuracy"] = [1.0 if a >= 1.0 else 0.0 for a in parts[accuracy_name]]
+    per_prompt = {name: prompt_means(values, k) for name, values in per_sample.items()}
+    out = held_out_metrics(per_prompt, k)
     rows = sample_rows(
         step,
-        [e.prompt for e in examples],
-        [e.answer for e in examples],
+        [e.prompt for e in drawn],
+        [e.answer for e in drawn],
         texts,
         endings,
         lengths,
@@ -151,6 +154,37 @@ def score_held_out(
     if episodes is not None:
         out.update(episode_metrics(episodes, prefix="eval/episodes/"))
     return out, per_prompt, rows
+
+
+def held_out_metrics(per_prompt: dict[str, list[float]], samples_per_prompt: int = 1) -> dict[str, float]:
+    """eval/reward, eval/mean_length and eval/accuracy with their standard errors, over prompts. With one sample a
+    prompt, accuracy's is the binomial sqrt(p(1-p)/n); with k, the per-prompt means' (sweeps/statistics.py)."""
+    out = {
+        "eval/reward": mean(per_prompt["reward"]),
+        "eval/reward_stderr": stderr(per_prompt["reward"]),
+        "eval/mean_length": mean(per_prompt["length"]),
+    }
+    if "accuracy" in per_prompt:
+        p = mean(per_prompt["accuracy"])
+        out["eval/accuracy"] = p
+        n = len(per_prompt["accuracy"])
+        out["eval/accuracy_stderr"] = (
+            math.sqrt(p * (1 - p) / n) if samples_per_prompt == 1 else stderr(per_prompt["accuracy"])
+        )
+    return out
+
+
+def prompt_means(values: list[float], k: int) -> list[float]:
+    """The mean of each prompt's k consecutive samples."""
+    return values if k == 1 else [sum(values[i : i + k]) / k for i in range(0, len(values), k)]
+
+
+def held_out_part(examples: list, split: HeldOutSplit | None) -> list:
+    """The rows of `examples` that `split` scores (all of them without one)."""
+    if split is None:
+        return examples
+    selection, confirmation = split_indices(len(examples), split.seed, split.confirm_share)
+    return [examples[i] for i in (selection if split.part == "selection" else confirmation)]
 
 
 def mean(values: list[float]) -> float:
