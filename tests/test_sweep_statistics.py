@@ -175,3 +175,71 @@ def test_the_best_of_equal_trials_lands_above_their_mean_by_the_expected_maximum
     draws = [max(rng.gauss(0, 1) for _ in range(6)) for _ in range(20000)]
     assert expected_max_normal(6) == pytest.approx(sum(draws) / len(draws), abs=0.02)
     assert expected_max_normal(1) == 0.0
+
+
+# ── the pruner's rung decision ─────────────────────────────────────────────────────────────────────
+
+
+def rung_study(leader: float, n: int = 16):
+    """A successive-halving study (first rung at step 6, keep the better half) whose first trial reported `leader` on
+    n held-out prompts at step 6 and finished; the sweep file, and the spec its trials run (eval every 6 steps)."""
+    from sweeps.pruning import TrialPruning
+    from sweeps.space import trial_spec
+    from sweeps.study import make_pruner
+
+    base = tiny_spec("/models/not-loaded-here", data={"num_eval_prompts": n}, eval={"every": 6}, optim={"steps": 18})
+    sweep = load_sweep(
+        {
+            "base": base,
+            "space": {"grpo.beta": {"type": "float", "low": 0.01, "high": 0.1}},
+            "objectives": [{"metric": "eval/accuracy"}],
+            "pruner": {"type": "successive_halving", "min_resource": 6, "reduction_factor": 2},
+        }
+    )
+    spec = trial_spec(sweep, {"grpo.beta": 0.05})
+    study = optuna.create_study(direction="maximize", pruner=make_pruner(sweep))
+    first = study.ask()
+    TrialPruning(first, sweep, spec).on_step(6, at_rung(leader, n))
+    assert not first.should_prune()  # the pruner notes the rung's first value as it would in a sweep
+    study.tell(first, leader)
+    return study, sweep, spec
+
+
+def at_rung(accuracy: float, n: int) -> dict:
+    return {"eval/accuracy": accuracy, "eval/accuracy_stderr": math.sqrt(accuracy * (1 - accuracy) / n)}
+
+
+def test_a_trial_one_prompt_behind_the_leader_at_a_rung_is_not_pruned():
+    """The issue's case: 0.8125 against the leader's 0.875 on 16 prompts — successive halving alone stops it."""
+    from sweeps.pruning import TrialPruning
+
+    study, sweep, spec = rung_study(0.875)
+    trial = study.ask()
+    pruning = TrialPruning(trial, sweep, spec)
+    pruning.on_step(6, at_rung(0.8125, 16))
+    assert pruning.should_stop(6, at_rung(0.8125, 16)) is None
+    assert study.trials[1].user_attrs["prune_vetoed"] == [6]  # the pruner said stop; the interval said not yet
+
+
+def test_a_trial_behind_beyond_noise_at_a_rung_is_pruned_naming_the_trial_ahead():
+    from sweeps.pruning import TrialPruning
+
+    study, sweep, spec = rung_study(0.875)
+    trial = study.ask()
+    pruning = TrialPruning(trial, sweep, spec)
+    pruning.on_step(6, at_rung(0.25, 16))
+    reason = pruning.should_stop(6, at_rung(0.25, 16))
+    assert reason == (
+        "pruned: eval/accuracy=0.25 ± 0.21 at step 6 is behind trial 0's 0.875 ± 0.16 beyond noise "
+        "(SuccessiveHalvingPruner ranked it out; ± is a 95 % interval)"
+    )
+
+
+def test_on_more_prompts_the_same_gap_is_beyond_noise_and_the_rung_prunes():
+    from sweeps.pruning import TrialPruning
+
+    study, sweep, spec = rung_study(0.875, n=512)
+    trial = study.ask()
+    pruning = TrialPruning(trial, sweep, spec)
+    pruning.on_step(6, at_rung(0.8125, 512))
+    assert pruning.should_stop(6, at_rung(0.8125, 512)).startswith("pruned: eval/accuracy=0.8125 ± 0.034 at step 6")
