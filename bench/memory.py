@@ -320,6 +320,10 @@ def main() -> None:
     if args.child:
         child(args.child, args.spec, args.set, args.steps, args.threads, args.out)
         return
+    if any(ROWS[name][0] == "trl" for name in args.rows):
+        from infra.extras import exit_unless_installed
+
+        exit_unless_installed("bench", "bench/memory.py's TRL rows (leave them out with --rows)")
 
     from tasks.spec import load_spec
     from trainer.model import ensure_model

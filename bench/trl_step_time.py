@@ -476,6 +476,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.warmup < 0 or args.steps < 1:
         raise SystemExit(f"--warmup {args.warmup} / --steps {args.steps}: give warm-up >= 0 and at least 1 timed step")
+    from infra.extras import exit_unless_installed
+
+    exit_unless_installed("bench", "bench/trl_step_time.py (TRL's GRPOTrainer beside Ballast's)")
     from trainer.model import resolve_device
 
     device = resolve_device(args.device)

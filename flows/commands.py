@@ -51,9 +51,7 @@ def cmd_run(args) -> int:
         project_dir = resumed.project_dir
     elif args.spec:
         checked = load_spec(args.spec, args.set)  # a bad spec fails here, in about a second
-        check_runnable(checked)  # the model is here (or buildable), the device exists: one line, before Prefect
-        if checked.infra.compute != "here" or checked.infra.nproc_per_node * checked.infra.num_nodes > 1:
-            _check_compute(checked)  # (its checks import tasks/remote.py, and torch with it)
+        _check_new_run(checked)  # the model, the device, the extras, the placement: one line, before Prefect
         if args.dryrun and checked.infra.compute == "skypilot":
             return _dryrun_compute(checked)
         _check_fork(checked)
@@ -63,6 +61,17 @@ def cmd_run(args) -> int:
     else:
         raise UserError("give an experiment SPEC to run, or --resume RUN_ID to continue a run")
     return _run_pipeline(project_dir, spec, overrides, args.resume)
+
+
+def _check_new_run(spec: ExperimentSpec) -> None:
+    """What a new run is refused for before anything starts, after its spec (`ballast run`, `validate`): the model is
+    here (or buildable), the device exists, the optional packages its features need are installed, and the placement
+    is one the ranks or the node can use."""
+    from tasks.spec import check_runnable
+
+    check_runnable(spec)
+    if spec.infra.compute != "here" or spec.infra.nproc_per_node * spec.infra.num_nodes > 1:
+        _check_compute(spec)  # (its checks import tasks/remote.py, and torch with it)
 
 
 def _check_compute(spec) -> None:
@@ -150,13 +159,14 @@ def cmd_validate(args) -> int:
     """`ballast validate SPEC`: what `ballast run` would refuse before it starts — the spec, its data, its rewards
     (each user function called once on placeholder completions), the model's source and the device — refused the
     same way (one line, exit 2) in seconds, without torch; on success, what the run would do (exit 0). A fork
-    source is checked too, which imports torch and reads the tracking store."""
-    from tasks.spec import check_runnable, load_spec
+    source is checked too, which imports torch and reads the tracking store, and so is a placement on ranks or a
+    node (tasks/remote.py, torch with it)."""
+    from tasks.spec import load_spec
 
     if _is_sweep_file(args.spec):
         return _validate_sweep(args.spec, args.set)
     spec = load_spec(args.spec, args.set)
-    check_runnable(spec)
+    _check_new_run(spec)
     _check_fork(spec)
     return _validated(spec, args.spec)
 
@@ -176,11 +186,11 @@ def _validate_sweep(path: str, sets: list[str]) -> int:
     """`ballast validate SWEEP.yaml`: what `ballast sweep` would refuse before its first trial — the sweep file, its
     space against the spec, and its base spec (with overrides and --set) as `ballast run` would check it."""
     from sweeps.space import load_sweep, trial_spec
-    from tasks.spec import check_runnable, describe_run
+    from tasks.spec import describe_run
 
     sweep = load_sweep(path, sets)
     spec = trial_spec(sweep, {})
-    check_runnable(spec)
+    _check_new_run(spec)
     _check_fork(spec)
     space = ", ".join(f"{k}{' (log)' if p.log else ''}" for k, p in sweep.space.items())
     objectives = ", ".join(f"{o.direction} {o.metric}" for o in sweep.objectives)
@@ -317,23 +327,15 @@ def cmd_train(args) -> int:
     if args.steps is not None and args.steps < 1:
         raise UserError(f"--steps {args.steps}: give the run's total number of steps, 1 or more")
     spec = load_spec(args.spec, args.set + ([f"optim.steps={args.steps}"] if args.steps is not None else []))
-    check_runnable(spec)
+    check_runnable(spec, here=True)  # the trainer alone runs on this machine, whatever infra.compute says
     nproc = getattr(args, "nproc", 1)
     if nproc != 1:
         from tasks.ranks import check_ranks
 
         check_ranks(spec, nproc)  # too many ranks, a world size not dividing the batch, fsdp2 unshardable: one line
-    out = Path(args.output or Path(spec.project_dir) / "runs" / spec.name)
-    from tasks.checkpoint import list_checkpoints  # the checkpoint format's one home is trainer/checkpoint.py
-
-    if not args.resume and list_checkpoints(out / "checkpoints"):
-        raise UserError(
-            f"{out} already holds checkpoints; pass --resume to continue that run, or --output a new directory"
-        )
-    from tasks.train import check_resumable, fork_alone, train_alone
-
     # every refusal comes before the first write: a refused command leaves the run directory as it was
-    resuming = check_resumable(spec, out) if args.resume else None
+    out, resuming = _train_dir(spec, args)
+    fork_from = None if resuming else _train_fork(spec)  # a missing or altered fork.checkpoint: before any model
     if nproc > 1:  # every rank runs this command on the spec as checked (rank 0 records; trainer/distributed.py)
         from tasks.ranks import launch
 
@@ -341,7 +343,10 @@ def cmd_train(args) -> int:
         (out / "spec.yaml").write_text(dump_spec(spec))
         flags = ["--resume"] * args.resume + ["--quiet"] * args.quiet
         return launch(nproc, ["-m", "flows.cli", "train", str(out / "spec.yaml"), "--output", str(out), *flags])
-    source = None if resuming else fork_alone(spec)
+    from tasks.fork import verify_fork
+    from tasks.train import train_alone
+
+    source = None if resuming else verify_fork(spec, fork_from)  # the fingerprint: the model loads here
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec.yaml").write_text(dump_spec(spec))
     result, resumed_from = train_alone(spec, out, args.resume, progress=not args.quiet, source=source)
@@ -359,15 +364,50 @@ def cmd_train(args) -> int:
         return stop.exit_code
     if os.environ.get("RANK", "0") != "0":  # one of --nproc ranks: rank 0 speaks for the run
         return 3 if result.stopped else 0
-    if args.resume:
-        print(
-            f"resumed from {resumed_from}" if resumed_from else f"no checkpoint in {out}/checkpoints; started at step 1"
-        )
+    if resumed_from:
+        print(f"resumed from {resumed_from}")
     print(
         f"{'stopped: ' + result.stopped if result.stopped else 'done'} at step {result.last_step}; "
         f"metrics: {out / 'metrics.jsonl'}; last checkpoint: {result.last_checkpoint}"
     )
     return 3 if result.stopped else 0
+
+
+def _train_dir(spec: ExperimentSpec, args) -> tuple[Path, Path | None]:
+    """(`ballast train`'s run directory, the checkpoint --resume continues from), refused before anything is
+    written: a directory holding checkpoints without --resume, and --resume with no checkpoint to continue (a fresh
+    start under --resume would hide a wrong --output; Hugging Face's Trainer refuses it the same way)."""
+    from tasks.checkpoint import list_checkpoints  # the checkpoint format's one home is trainer/checkpoint.py
+    from tasks.train import check_resumable
+
+    out = Path(args.output or Path(spec.project_dir) / "runs" / spec.name)
+    if not args.resume:
+        if list_checkpoints(out / "checkpoints"):
+            raise UserError(
+                f"{out} already holds checkpoints; pass --resume to continue that run, or --output a new directory"
+            )
+        return out, None
+    resuming = check_resumable(spec, out)
+    if resuming is None:
+        raise UserError(
+            f"--resume: no checkpoint to continue from in {out / 'checkpoints'}; give --output the directory of "
+            "the run to continue, or leave out --resume to start a new run there"
+        )
+    return out, resuming
+
+
+def _train_fork(spec: ExperimentSpec):
+    """`ballast train`'s fork source, found and its files verified against its manifest before a rank or a model
+    starts (one line, exit 2); its fingerprint, which needs the model, is verified when it loads (verify_fork)."""
+    from tasks.fork import resolve_fork
+    from tasks.train import fork_alone
+
+    if spec.fork.checkpoint is None or spec.fork.run_id is not None:
+        return fork_alone(spec)  # the base model, or fork.run_id refused (no tracking store here): nothing loads
+    try:
+        return resolve_fork(spec, None)
+    except FileNotFoundError as e:
+        raise UserError(f"fork source fork.checkpoint={spec.fork.checkpoint}: {e}") from None
 
 
 def cmd_sync(args) -> int:

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from infra.extras import require_extra
 from infra.skypilot import ACCELERATORS_RE, REMOTE_SPEC_DIR, accelerator_count
 
 REPO = Path(__file__).resolve().parent.parent
@@ -148,6 +149,8 @@ def check_placement(infra, tracking_uri: str, store_uri: str) -> None:
     are the resolved tracking and artifact store of the run."""
     if infra.compute == "here":
         return
+    if infra.compute == "skypilot":
+        require_extra("cloud", "infra.compute: skypilot")
     if infra.accelerators:
         check_accelerators(infra.accelerators)
     if infra.compute != "skypilot":
@@ -171,11 +174,13 @@ def check_placement(infra, tracking_uri: str, store_uri: str) -> None:
 
 
 def check_accelerators(accelerators: str) -> None:
-    """The string as SkyPilot parses it (`sky.Resources`), after the NAME[:COUNT] shape check."""
+    """The string as SkyPilot parses it (`sky.Resources`), after the NAME[:COUNT] shape check; MissingExtra (one line
+    naming the `cloud` extra) where SkyPilot is not installed."""
     if not ACCELERATORS_RE.match(accelerators):
         raise ComputeError(
             f"infra.accelerators={accelerators!r} is not NAME or NAME:COUNT (e.g. 'H100:1', 'A100-80GB:8')"
         )
+    require_extra("cloud", f"infra.accelerators={accelerators!r} (read by SkyPilot)")
     import sky
 
     try:

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from infra.extras import require_extra
+
 REMOTE_SPEC_DIR = "~/.ballast-launch"
 ACCELERATORS_RE = re.compile(r"^[A-Za-z0-9][\w\-]*(:\d+(\.\d+)?)?$")  # 'H200', 'H200:2', 'A100-80GB:8', 'tpu-v5e:0.5'
 
@@ -88,7 +90,9 @@ def accelerator_count(accelerators: str | None) -> float:
 
 def plan_launch(spec, repo_root: Path, *, dump_spec, cluster: str | None = None) -> tuple[LaunchPlan, Any]:
     """(plan, the spec the node will run). `dump_spec` turns a spec into YAML (tasks/spec.py's), passed in so
-    that infra/ does not import tasks/."""
+    that infra/ does not import tasks/. Refused (MissingExtra) where SkyPilot is not installed: the plan is
+    validated by its schema."""
+    require_extra("cloud", "ballast launch")
     infra = spec.infra
     if infra.accelerators and not ACCELERATORS_RE.match(infra.accelerators):
         raise LaunchError(
@@ -100,8 +104,31 @@ def plan_launch(spec, repo_root: Path, *, dump_spec, cluster: str | None = None)
             f"infra.env names {missing[0]!r}, which is not set in this environment; export it before "
             "launching (its value is read at launch and passed to the node as a SkyPilot secret)"
         )
+    spec, notes = _node_spec(spec)
+    setup = ["set -e", "bash scripts/install.sh"]
+    if spec.rollout.engine == "vllm" and not spec.rollout.vllm_url:
+        setup.append("bash scripts/vllm_env.sh --gpu")
+    name = cluster or _cluster_name(spec.name)
+    plan = LaunchPlan(
+        name=name,
+        workdir=str(Path(repo_root).absolute()),
+        setup="\n".join(setup),
+        run=f"python3 -m flows.cli run {REMOTE_SPEC_DIR}/{name}.yaml",
+        spec_yaml=dump_spec(spec),
+        resources=_resources(infra),
+        num_nodes=infra.num_nodes,
+        secret_names=list(infra.env),
+        envs={"PYTHONUNBUFFERED": "1"},
+        notes=notes,
+    )
+    return plan, spec
+
+
+def _node_spec(spec) -> tuple[Any, list[str]]:
+    """(a copy of the spec as the node runs it, notes for the user): with two GPUs and vLLM, the trainer on cuda:0
+    and the server on cuda:1; notes on a CPU device on a GPU node and on stores the node would lose."""
     notes: list[str] = []
-    spec = spec.model_copy(deep=True)
+    spec, infra = spec.model_copy(deep=True), spec.infra
     gpus = accelerator_count(infra.accelerators)
     if (
         spec.rollout.engine == "vllm"
@@ -124,12 +151,11 @@ def plan_launch(spec, repo_root: Path, *, dump_spec, cluster: str | None = None)
         )
     if not spec.storage.uri or not str(spec.storage.uri).startswith("s3://"):
         notes.append("storage.uri is not s3://…: checkpoints stay on the node's disk and are lost when it goes")
+    return spec, notes
 
-    setup = ["set -e", "bash scripts/install.sh"]
-    if spec.rollout.engine == "vllm" and not spec.rollout.vllm_url:
-        setup.append("bash scripts/vllm_env.sh --gpu")
-    name = cluster or _cluster_name(spec.name)
-    run = f"python3 -m flows.cli run {REMOTE_SPEC_DIR}/{name}.yaml"
+
+def _resources(infra) -> dict[str, Any]:
+    """The spec's infra section as SkyPilot's `resources:` (accelerators, infra, cpus, memory, use_spot)."""
     resources: dict[str, Any] = {}
     if infra.accelerators:
         resources["accelerators"] = infra.accelerators
@@ -139,19 +165,7 @@ def plan_launch(spec, repo_root: Path, *, dump_spec, cluster: str | None = None)
             resources["infra" if key == "cloud" else key] = str(value)
     if infra.use_spot:
         resources["use_spot"] = True
-    plan = LaunchPlan(
-        name=name,
-        workdir=str(Path(repo_root).absolute()),
-        setup="\n".join(setup),
-        run=run,
-        spec_yaml=dump_spec(spec),
-        resources=resources,
-        num_nodes=infra.num_nodes,
-        secret_names=list(infra.env),
-        envs={"PYTHONUNBUFFERED": "1"},
-        notes=notes,
-    )
-    return plan, spec
+    return resources
 
 
 def _cluster_name(name: str) -> str:

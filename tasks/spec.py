@@ -22,11 +22,13 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import Field, ValidationError, field_validator
 
+from infra.extras import require_extra
 from trainer.config import InputError, ModelConfig, Section, TrainerConfig, is_variable_name  # noqa: F401  (ModelConfig: --base)
 from trainer.data import SOURCES, check_data, locate_data_file
+from trainer.engines.offline import check_logprobs_stored
 from trainer.environment import check_environment
 from trainer.health import tag_pattern
-from trainer.locate import check_device, check_model_source
+from trainer.locate import check_device, check_model_source, vllm_python
 from trainer.metrics import METRICS  # noqa: F401  (the glossary `ballast metrics` prints; imports no torch)
 from trainer.rewards import check_rewards
 
@@ -223,6 +225,9 @@ class InfraConfig(Section):
     )
 
 
+NAME_BYTES = 200  # a run's name, in UTF-8 bytes: a directory name (255 at most) with room for a trial's suffix
+
+
 class ExperimentSpec(TrainerConfig):
     name: str = Field("experiment", description="Run name in MLflow and Prefect.")
     project_dir: str = Field(
@@ -246,6 +251,11 @@ class ExperimentSpec(TrainerConfig):
             raise ValueError(
                 "a run's name is one directory name (not empty, '.' or '..', no '/' or '\\'); e.g. quickstart-lr3e-4"
             )
+        if not name.isprintable():  # a tab, newline or control character: a directory name no one can type
+            bad = next(c for c in name if not c.isprintable())
+            raise ValueError(f"a run's name is printable text; {bad!r} at position {name.index(bad)} is not")
+        if len(name.encode()) > NAME_BYTES:  # the file system's limit is 255, and the run directory adds to it
+            raise ValueError(f"a run's name is a directory name of at most {NAME_BYTES} bytes; shorten it")
         return name
 
     def trainer_config(self) -> TrainerConfig:
@@ -307,6 +317,7 @@ def validate_spec(data: dict, where: str = "spec", spec_dir: Path | None = None)
     function called once on placeholder completions for the first prompts of the data) checked — all before torch
     or a model loads; any problem is a SpecError naming the field or file:line."""
     _refuse_secrets(data, where)
+    _refuse_nul(data, where)
     try:
         spec = ExperimentSpec.model_validate(data)
     except ValidationError as e:
@@ -318,6 +329,8 @@ def validate_spec(data: dict, where: str = "spec", spec_dir: Path | None = None)
         if spec.data.eval_path is not None:
             spec.data.eval_path = locate_data_file(spec.data.eval_path, "data.eval_path", spec_dir)
         examples = check_data(spec.data)
+        if spec.rollout.engine == "offline" and spec.grpo.rollout_correction.mode != "off":
+            check_logprobs_stored(spec.data.source, spec.grpo.rollout_correction.mode)
         check_rewards(spec.rewards, spec.eval.reward, spec_dir, examples, spec.grpo.num_generations)
         if spec.data.environment is not None:
             if spec.rollout.engine == "offline":
@@ -331,15 +344,21 @@ def validate_spec(data: dict, where: str = "spec", spec_dir: Path | None = None)
     return spec
 
 
-def check_runnable(spec: ExperimentSpec) -> None:
+def check_runnable(spec: ExperimentSpec, here: bool = False) -> None:
     """What a command that loads the model checks after the spec, still without torch: the model can be found (or
-    built) here, offline, and the device exists (trainer/locate.py). A SpecError naming the field. With
-    infra.compute: skypilot the model loads on the node, which has its own devices and downloads."""
-    if spec.infra.compute == "skypilot":
-        return
+    built) here, offline, the device exists (trainer/locate.py), and what the spec's features need is installed — the
+    `cloud` extra for infra.compute: skypilot, vLLM's environment for rollout.engine: vllm (infra/extras.py). A
+    SpecError naming the field. With infra.compute: skypilot the model loads on the node, which has its own devices,
+    downloads and vLLM environment, unless `here`: the command trains on this machine whatever infra says
+    (`ballast train`)."""
     try:
+        if spec.infra.compute == "skypilot" and not here:
+            require_extra("cloud", "infra.compute: skypilot")
+            return
         check_device(spec.model.device)
         check_model_source(spec.model)
+        if spec.rollout.engine == "vllm" and not spec.rollout.vllm_url:
+            vllm_python(spec.rollout.vllm_python)
     except InputError as e:
         raise SpecError(str(e)) from None
 
@@ -555,30 +574,43 @@ def set_path(data: dict, item: str) -> None:
     node[parts[-1]] = value
 
 
-def _refuse_secrets(data: Any, where: str, prefix: str = "") -> None:
-    if isinstance(data, list):  # e.g. rewards[i].kwargs
-        for i, v in enumerate(data):
-            _refuse_secrets(v, where, f"{prefix}{i}.")
-    if isinstance(data, dict):
-        for k, v in data.items():
-            name = f"{prefix}{k}"
-            if looks_secret(str(k)) and isinstance(v, str) and v:
-                raise SpecError(
-                    f"{where}: field '{name}' looks like a secret; secrets never go in a spec (it is logged to "
-                    "MLflow) — put it in an environment variable and name the variable instead"
-                )
-            if isinstance(v, str) and uri_has_password(v):
-                raise SpecError(
-                    f"{where}: field '{name}' holds a password inside its URI (user:***@host); it would be "
-                    "logged to MLflow — give the credential through the service's environment variables "
-                    "(AWS_*, MLFLOW_TRACKING_PASSWORD, PGPASSWORD) or ~/.pgpass, and the URI without it"
-                )
-            if str(k).endswith("_env") and isinstance(v, str) and not is_variable_name(v):
-                raise SpecError(
-                    f"{where}: field '{name}' must name an environment variable (e.g. OPENAI_API_KEY); the "
-                    "value given is not a name and is not shown, as it may be the key itself"
-                )
-            _refuse_secrets(v, where, name + ".")
+def _fields(data: Any, prefix: str = "") -> typing.Iterator[tuple[str, Any, Any]]:
+    """(dotted name, key, value) of every field of a spec's raw data, depth first (list items by their index)."""
+    items = enumerate(data) if isinstance(data, list) else data.items() if isinstance(data, dict) else ()
+    for k, v in items:
+        yield f"{prefix}{k}", k, v
+        yield from _fields(v, f"{prefix}{k}.")
+
+
+def _refuse_secrets(data: Any, where: str) -> None:
+    for name, k, v in _fields(data):
+        if looks_secret(str(k)) and isinstance(v, str) and v:
+            raise SpecError(
+                f"{where}: field '{name}' looks like a secret; secrets never go in a spec (it is logged to "
+                "MLflow) — put it in an environment variable and name the variable instead"
+            )
+        if isinstance(v, str) and uri_has_password(v):
+            raise SpecError(
+                f"{where}: field '{name}' holds a password inside its URI (user:***@host); it would be "
+                "logged to MLflow — give the credential through the service's environment variables "
+                "(AWS_*, MLFLOW_TRACKING_PASSWORD, PGPASSWORD) or ~/.pgpass, and the URI without it"
+            )
+        if str(k).endswith("_env") and isinstance(v, str) and not is_variable_name(v):
+            raise SpecError(
+                f"{where}: field '{name}' must name an environment variable (e.g. OPENAI_API_KEY); the "
+                "value given is not a name and is not shown, as it may be the key itself"
+            )
+
+
+def _refuse_nul(data: Any, where: str) -> None:
+    """A NUL character fits no path, name or URI (the OS refuses it, MLflow and Prefect cut at it): refused by field."""
+    for name, _, v in _fields(data):
+        at = v.find("\x00") if isinstance(v, str) else -1
+        if at >= 0:
+            raise SpecError(
+                f"{where}: field '{name}' holds a NUL character (\\0) at position {at}; remove it (a stray escape "
+                "in the YAML or the --set value)"
+            )
 
 
 def uri_has_password(value: str) -> bool:

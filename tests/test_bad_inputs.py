@@ -303,6 +303,67 @@ CASES = [
         "data.source: data file 'missing.jsonl' is neither in the spec's folder",
         put("data.source", "missing.jsonl"),
     ),
+    # ── the last bad inputs (issue 28 §3) ─────────────────────────────────────────────────────────────────
+    Case("a NUL byte in the run name", "field 'name' holds a NUL character (\\0) at position 3", put("name", "run\0x")),
+    Case(
+        "a NUL byte in a path",
+        "field 'data.source' holds a NUL character",
+        put("data.source", "{dir}/data\x00.jsonl"),
+        args=("validate", "{spec}"),
+    ),
+    Case("a tab in the run name", "a run's name is printable text; '\\t' at position 1", put("name", "a\tb")),
+    Case("a run name longer than a directory name", "at most 200 bytes", put("name", "x" * 300)),
+    Case(
+        "ballast train from a fork checkpoint that does not exist",
+        "fork source fork.checkpoint=",
+        put("fork.checkpoint", "{dir}/nowhere/step-000002"),
+    ),
+    Case(
+        "ballast train from a fork checkpoint without a manifest",
+        "ckpt/step-000002 has no manifest.json",
+        put("fork.checkpoint", "{dir}/ckpt/step-000002"),
+        files={"ckpt/step-000002/adapter/adapter_model.safetensors": ""},
+    ),
+    Case(
+        "trajectories without logprobs under the default rollout correction",
+        "traj.jsonl:2 completions[0] has no logprobs, and grpo.rollout_correction.mode: tis weights each token",
+        lambda s: (offline(s), put("grpo.rollout_correction", {"mode": "tis"})(s)),
+        files={"traj.jsonl": trajectory() + trajectory(logprobs=None)},
+    ),
+    Case(
+        "an episode without logprobs under the default rollout correction",
+        "traj.jsonl:1 completions[0] has no logprobs",
+        lambda s: (offline(s), put("grpo.rollout_correction", {"mode": "mis"})(s)),
+        files={
+            "traj.jsonl": json.dumps(
+                {
+                    **TRAJECTORY,
+                    "completions": [
+                        {"messages": [{"role": "user", "content": "2+2"}, {"role": "assistant", "token_ids": [60, 52]}]}
+                    ]
+                    * 4,
+                }
+            )
+            + "\n"
+        },
+    ),
+    Case(
+        "train --resume with no checkpoint in --output",
+        "--resume: no checkpoint to continue from in",
+        args=("train", "{spec}", "--output", "{dir}/run", "--resume"),
+        files={"run/metrics.jsonl": '{"step": 1}\n'},
+    ),
+    Case(
+        "train --resume with no --output directory at all",
+        "give --output the directory of the run to continue, or leave out --resume",
+        args=("train", "{spec}", "--output", "{dir}/nowhere", "--resume"),
+    ),
+    Case(
+        "rollout.engine: vllm without its environment",
+        "rollout.vllm_python='/nonexistent/python' does not exist; create the environment with `ballast vllm-env`",
+        put("rollout", {"engine": "vllm", "vllm_python": "/nonexistent/python", "max_tokens": 24}),
+        args=("validate", "{spec}"),
+    ),
 ]
 
 

@@ -88,3 +88,26 @@ def check_device(name: str, field: str = "model.device") -> None:
             f"{field}={name!r} but this machine has no NVIDIA GPU driver (no nvidia-smi, no /proc/driver/nvidia); "
             f"set {field}: auto (or cpu)"
         )
+
+
+def vllm_python(configured: str | None) -> Path:
+    """The python of the separate environment the vLLM server runs from: `rollout.vllm_python`, else the one `ballast
+    vllm-env` creates by default (.ballast/vllm-venv here, or in the repository). InputError naming the field and
+    `ballast vllm-env` when there is none (checked before a model loads, and again where the server starts)."""
+    if configured:
+        python = Path(configured).expanduser().absolute()  # not resolve(): a venv's python is a symlink
+        if not python.exists():
+            raise InputError(
+                f"rollout.vllm_python={configured!r} does not exist; create the environment with "
+                "`ballast vllm-env` and set rollout.vllm_python to the python it prints"
+            )
+        return python
+    for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
+        python = root / ".ballast" / "vllm-venv" / "bin" / "python"
+        if python.exists():
+            return python.absolute()
+    raise InputError(
+        "rollout.engine: vllm needs a separate vLLM environment and none was found at .ballast/vllm-venv; create "
+        "it with `ballast vllm-env` (or scripts/vllm_env.sh) and/or set rollout.vllm_python, or connect to a running "
+        "server with rollout.vllm_url"
+    )

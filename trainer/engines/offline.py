@@ -17,9 +17,9 @@ which knows the shapes that tools write and refuses anything else with the line 
                                                         (the sampled token's entry is taken; `token_ids` required)
 
 A NaN, a None or a missing entry is an error naming the line, the completion and the token, never a
-silent ratio of 1. A completion with no `logprobs` field gives the trainer None for it, and the trainer
-then fails the step (grpo.rollout_correction tis | mis need them), or, with grpo.rollout_correction.mode: off,
-trains on them uncorrected (pi_old is the trainer's own either way).
+silent ratio of 1. A completion with no `logprobs` field is refused before the model loads, naming the file and
+line, while grpo.rollout_correction (tis | mis) needs them (`check_logprobs_stored`, from the spec's validation);
+with grpo.rollout_correction.mode: off it trains uncorrected (pi_old is the trainer's own either way).
 
 A line: {"prompt": "23+58" (or chat messages), "answer": "81", "completions": [{"token_ids": [...], "logprobs": ...,
 "finish_reason": "stop" | "length", "text": "..."}, ...]}. `token_ids` are the completion's tokens
@@ -170,6 +170,75 @@ def _template_message(message: dict) -> dict:
     return out
 
 
+def is_sampled_turn(item: dict) -> bool:
+    """A turn the model sampled: an OpenAI `Choice` (it has a `message`), or an assistant message that carries the
+    sampler's `logprobs` or `token_ids`."""
+    message = item.get("message", item)
+    return "message" in item or (
+        isinstance(message, dict) and message.get("role") == "assistant" and ("logprobs" in item or "token_ids" in item)
+    )
+
+
+def _conversation(items: list, where: str) -> tuple[list[dict], list[int]]:
+    """An episode's messages as the chat template reads them, and the indices of the model's sampled turns; refuses
+    an item that is no message, an unsampled assistant message after the first sampled turn, and no sampled turn."""
+    messages, sampled = [], []
+    for j, item in enumerate(items):
+        at = f"{where}[{j}]"
+        if not isinstance(item, dict):
+            raise TrajectoryError(f"{at} is a {type(item).__name__}; expected a message or a Choice object")
+        message = item.get("message") if "message" in item else item
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise TrajectoryError(f"{at} has no 'role'; expected a chat message or a Choice with a 'message'")
+        if is_sampled_turn(item):
+            sampled.append(j)
+        elif message["role"] == "assistant" and sampled:
+            raise TrajectoryError(
+                f"{at} is an assistant message without logprobs or token_ids after the model's first turn: it "
+                "would get no loss; store the turn as a Choice (or with its logprobs), or drop it"
+            )
+        messages.append(_template_message(message))
+    if not sampled:
+        raise TrajectoryError(
+            f"{where} has no turn of the model: no Choice object and no assistant message with logprobs or "
+            "token_ids; nothing in it could be trained on"
+        )
+    return messages, sampled
+
+
+def check_logprobs_stored(path: str | Path, mode: str) -> None:
+    """Before the model loads: with `grpo.rollout_correction.mode` tis or mis (`mode`), which weight each token by the
+    sampler's probability, the first completion stored without logprobs (for an episode: its first sampled turn) is a
+    TrajectoryError naming the file, the line and the completion. Reads the JSON alone (no tokenizer): lines it
+    cannot read are left to the engine, which names what is wrong with them."""
+    for lineno, line in enumerate(Path(path).read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        try:
+            row = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            continue
+        completions = row.get("completions") if isinstance(row, dict) else None
+        for i, c in enumerate(completions if isinstance(completions, list) else []):
+            if _without_logprobs(c):
+                raise TrajectoryError(
+                    f"{path}:{lineno} completions[{i}] has no logprobs, and grpo.rollout_correction.mode: {mode} "
+                    "weights each token by the sampler's probability of it; store the logprobs the sampler returned "
+                    "with each completion, or set grpo.rollout_correction.mode: off to train on the trainer's own "
+                    "logprobs alone"
+                )
+
+
+def _without_logprobs(c: Any) -> bool:
+    """A completion stored without the sampler's logprobs (an episode: its first sampled turn); False for what is
+    not a completion at all (the engine refuses that)."""
+    if not isinstance(c, dict):
+        return False
+    turns = c.get("messages_and_choices", c.get("messages"))
+    if turns is not None:
+        sampled = (t for t in turns if isinstance(t, dict) and is_sampled_turn(t)) if isinstance(turns, list) else ()
+        c = next(iter(sampled), None)
+    return c is not None and c.get("logprobs") is None
+
+
 class OfflineEngine:
     """Serves the completions stored for each prompt. Read once; `generate` looks prompts up by token ids."""
 
@@ -269,51 +338,16 @@ class OfflineEngine:
             raise TrajectoryError(f"{where}.{key} must be a non-empty list of messages and the model's turns")
         if tools is not None and not isinstance(tools, list):
             raise TrajectoryError(f"{where}.tools must be a list of tool definitions; got a {type(tools).__name__}")
-        messages, sampled = [], []  # the conversation as the template sees it; indices of the sampled turns
-        for j, item in enumerate(items):
-            at = f"{where}.{key}[{j}]"
-            if not isinstance(item, dict):
-                raise TrajectoryError(f"{at} is a {type(item).__name__}; expected a message or a Choice object")
-            message = item.get("message") if "message" in item else item
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise TrajectoryError(f"{at} has no 'role'; expected a chat message or a Choice with a 'message'")
-            if "message" in item or (message["role"] == "assistant" and ("logprobs" in item or "token_ids" in item)):
-                sampled.append(j)
-            elif message["role"] == "assistant" and sampled:
-                raise TrajectoryError(
-                    f"{at} is an assistant message without logprobs or token_ids after the model's first turn: it "
-                    "would get no loss; store the turn as a Choice (or with its logprobs), or drop it"
-                )
-            messages.append(_template_message(message))
-        if not sampled:
-            raise TrajectoryError(
-                f"{where}.{key} has no turn of the model: no Choice object and no assistant message with logprobs or "
-                "token_ids; nothing in it could be trained on"
-            )
-
-        token_ids: list[int] = []
+        where = f"{where}.{key}"
+        messages, sampled = _conversation(items, where)
+        token_ids: list[int] = []  # after the prompt: the sampled turns and the tokens inserted between them
         loss_mask: list[int] = []
         logprobs: list[float] = []
         prompt_ids: list[int] = []
         with_logprobs = []
         for k, j in enumerate(sampled):
-            item, at = items[j], f"{where}.{key}[{j}]"
-            # the tokens before this turn: the prompt, or those inserted since the previous turn
-            server_prompt = item.get("prompt_token_ids")
-            if server_prompt is not None:
-                server_prompt = self._ids(server_prompt, f"{at}.prompt_token_ids")
-                so_far = prompt_ids + token_ids
-                if server_prompt[: len(so_far)] != so_far:
-                    raise TrajectoryError(
-                        f"{at}.prompt_token_ids do not begin with the episode's tokens so far (turn {j} is not an "
-                        "append-only continuation: the server re-rendered the conversation); such an episode is "
-                        "several sequences, store each as its own completion"
-                    )
-                inserted = server_prompt[len(so_far) :]
-            elif k == 0:
-                inserted = self._render_ids(messages[:j], tools, at)
-            else:
-                inserted = self._inserted(messages, tools, sampled[k - 1], j, token_ids, loss_mask, at)
+            item, at = items[j], f"{where}[{j}]"
+            inserted = self._tokens_before(item, k, sampled, messages, tools, prompt_ids, token_ids, loss_mask, at)
             if k == 0:
                 prompt_ids = inserted
             else:
@@ -323,26 +357,41 @@ class OfflineEngine:
             ids, lps = self._turn(item, at)
             with_logprobs.append(lps is not None)
             if with_logprobs[-1] != with_logprobs[0]:
-                first = f"{key}[{sampled[0]}]"
                 raise TrajectoryError(
-                    f"{at} has {'logprobs' if with_logprobs[-1] else 'no logprobs'} but {first}, the model's first "
-                    f"turn, has {'them' if with_logprobs[0] else 'none'}: an episode's turns all have logprobs or none "
-                    "do (then set grpo.rollout_correction.mode: off)"
+                    f"{at} has {'logprobs' if with_logprobs[-1] else 'no logprobs'} but {where}[{sampled[0]}], the "
+                    f"model's first turn, has {'them' if with_logprobs[0] else 'none'}: an episode's turns all have "
+                    "logprobs or none do (then set grpo.rollout_correction.mode: off)"
                 )
             token_ids += ids
             loss_mask += [1] * len(ids)
             logprobs += lps if lps is not None else [math.nan] * len(ids)
-        last = items[sampled[-1]]
-        finish = last.get("finish_reason") or ("stop" if token_ids[-1] in eos else "length")
-        text = self.tokenizer.decode(token_ids[len(token_ids) - len(ids) :], skip_special_tokens=True)
+        finish = items[sampled[-1]].get("finish_reason") or ("stop" if token_ids[-1] in eos else "length")
         return Completion(
             prompt_ids=prompt_ids,
             token_ids=token_ids,
             logprobs=logprobs if with_logprobs[0] else None,
             finish_reason="length" if finish == "length" else "stop",  # stop, tool_calls, ...: the turn ended
-            text=text,
+            text=self.tokenizer.decode(token_ids[len(token_ids) - len(ids) :], skip_special_tokens=True),
             loss_mask=loss_mask,
         )
+
+    def _tokens_before(self, item, k: int, sampled, messages, tools, prompt_ids, token_ids, loss_mask, at: str):
+        """The tokens before the episode's k-th sampled turn (`item`): the prompt (k = 0) or those inserted since the
+        previous turn — the server's own (`prompt_token_ids`), else as the chat template renders them."""
+        server_prompt = item.get("prompt_token_ids")
+        if server_prompt is not None:
+            server_prompt = self._ids(server_prompt, f"{at}.prompt_token_ids")
+            so_far = prompt_ids + token_ids
+            if server_prompt[: len(so_far)] != so_far:
+                raise TrajectoryError(
+                    f"{at}.prompt_token_ids do not begin with the episode's tokens so far (turn {sampled[k]} is not an "
+                    "append-only continuation: the server re-rendered the conversation); such an episode is "
+                    "several sequences, store each as its own completion"
+                )
+            return server_prompt[len(so_far) :]
+        if k == 0:
+            return self._render_ids(messages[: sampled[0]], tools, at)
+        return self._inserted(messages, tools, sampled[k - 1], sampled[k], token_ids, loss_mask, at)
 
     def _turn(self, item: dict, at: str) -> tuple[list[int], list[float] | None]:
         """A sampled turn's token ids and logprobs (None: none stored)."""

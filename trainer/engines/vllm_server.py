@@ -39,6 +39,9 @@ from pathlib import Path
 import httpx
 import torch
 
+from ..config import InputError
+from ..locate import vllm_python
+
 LOGPROBS_MODE = "processed_logprobs"
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed --max-lora-rank values
 SERVED_BASE_NAME = "ballast-base"
@@ -72,32 +75,12 @@ class ServerRefused(VLLMError):
 # ── where the server runs ──────────────────────────────────────────────────────────────────────────
 
 
-def default_vllm_python() -> Path | None:
-    """The venv `ballast vllm-env` creates by default: .ballast/vllm-venv here, or in the repository."""
-    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
-        python = root / ".ballast" / "vllm-venv" / "bin" / "python"
-        if python.exists():
-            return python.absolute()
-    return None
-
-
 def resolve_vllm_python(configured: str | None) -> Path:
-    if configured:
-        python = Path(configured).expanduser().absolute()  # not resolve(): a venv's python is a symlink
-        if not python.exists():
-            raise VLLMError(
-                f"rollout.vllm_python={configured!r} does not exist; create the environment with "
-                "`ballast vllm-env` and set rollout.vllm_python to the python it prints"
-            )
-        return python
-    python = default_vllm_python()
-    if python is None:
-        raise VLLMError(
-            "rollout.engine: vllm needs a separate vLLM environment and none was found at "
-            ".ballast/vllm-venv; create it with `ballast vllm-env` (or scripts/vllm_env.sh) and/or set "
-            "rollout.vllm_python, or connect to a running server with rollout.vllm_url"
-        )
-    return python
+    """rollout.vllm_python, or the default environment (trainer/locate.py); VLLMError naming the fix when none."""
+    try:
+        return vllm_python(configured)
+    except InputError as e:
+        raise VLLMError(str(e)) from None
 
 
 def server_device(rollout_device: str | None, trainer_device: str) -> tuple[str, str | None]:
