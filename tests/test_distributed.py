@@ -118,10 +118,7 @@ def train_updates(model_path: Path, lora: bool, parallel: str, loss_type: str, p
         out["loss"].append(dd.sum_scalar(loss_sum))
         out["grads"].append([dd.full_tensor(p.grad).detach().clone() for p in params])
         out["grad_norm"].append(float(dd.clip_grad_norm(params, 1.0)))
-        if world.distributed:
-            out["metrics"].append(dd.update_metrics(LossTerms.cat(terms), batch["mask"], "token"))
-        else:
-            out["metrics"].append(update_metrics(LossTerms.cat(terms), batch["mask"], "token"))
+        out["metrics"].append(update_metrics(LossTerms.cat(terms), batch["mask"], "token", world))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         out["params"].append([dd.full_tensor(p.detach()).clone() for p in params])
@@ -474,8 +471,10 @@ CORRECTIONS = [(mode, level) for mode in ("off", "tis", "mis") for level in ("to
 def _token_metrics_of() -> dict:
     from trainer.config import RolloutCorrectionConfig
     from trainer.loss import rollout_correction
+    from trainer.metrics import entropy_metric, sampling_metrics
 
-    rank, size = dd.world().rank, dd.world().size
+    world = dd.world()
+    rank, size = world.rank, world.size
     b = metric_batch()
     per = b["token"].shape[0] // size
     rows = slice(rank * per, (rank + 1) * per)
@@ -483,10 +482,10 @@ def _token_metrics_of() -> dict:
     for mode, level in CORRECTIONS:
         cfg = RolloutCorrectionConfig(mode=mode, level=level, low=0.8, high=1.25)
         corr = rollout_correction(b["old"][rows], b["engine"][rows], b["loss"][rows], cfg)
-        out[(mode, level)] = dd.token_metrics(
-            b["entropy"][rows], b["old"][rows], b["engine"][rows], b["token"][rows], b["loss"][rows], corr, mode, level,
-            b["st"][rows],
-        )  # fmt: skip
+        out[(mode, level)] = entropy_metric(b["entropy"][rows], b["loss"][rows], world)
+        out[(mode, level)].update(sampling_metrics(
+            b["old"][rows], b["engine"][rows], b["token"][rows], b["loss"][rows], corr, cfg, b["st"][rows], world
+        ))  # fmt: skip
     return out
 
 

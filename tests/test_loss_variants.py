@@ -5,16 +5,22 @@ silently ignore. That a real step gives the same gradients whatever optim.gradie
 as for every loss type, is in tests/test_grad_accumulation.py."""
 
 import math
+import typing
 
 import pytest
 import torch
 
 from tasks.spec import SpecError, validate_spec
 from trainer.config import GRPOConfig
-from trainer.loss import grpo_loss
+from trainer.loss import POLICY_LOSSES, grpo_loss
 from trainer.metrics import update_metrics
 
 F64 = {"rtol": 1e-12, "atol": 1e-14}  # float64 rounding, over sums of a few dozen terms
+
+
+def test_every_loss_type_the_config_accepts_is_a_registered_loss_and_no_other():
+    assert set(POLICY_LOSSES) == set(typing.get_args(GRPOConfig.model_fields["loss_type"].annotation))
+
 
 # ---------------------------------------------------------------------------------------------------
 # One float64 batch: B = 4 sequences of 5, 3, 4 and 2 real tokens, advantages of both signs, log-ratios spread over

@@ -19,11 +19,15 @@ N ranks compute the loss, the gradients and the metrics of the same global batch
   class's `_no_split_modules`), then the root; LoRA is applied before sharding (only the adapter is trainable, the
   frozen base is sharded too); full fine-tuning shards everything. A model class with no such layers is refused
   (`check_shardable`). **DDP** replicates the model (for one that fits a device).
-- **Metrics are reduced over the global batch**, never as a per-rank mean of means: `Stats` collects numerators and
-  denominators (token- or sequence-weighted means), mins and maxes, and reduces them in one all-reduce per kind;
-  `token_metrics` gives the tensor metrics of trainer/metrics.py that way, and `gather` hands every rank the global
-  lists (texts, rewards, lengths) for the metrics that need whole groups.
-- Only rank 0 records: `is_main()`.
+- **The trainer sees one interface.** `World` says how ranks share a step — gather the global batch's lists, take
+  this rank's rows, reduce loss normalisers and metric parts, accumulate gradients, hold whole weights, broadcast,
+  which rank writes — and is the identity for one process; `Ranks` is the same over torch.distributed. So the step
+  (trainer/loop.py) has no branch on the world size.
+- **Metrics are reduced over the global batch**, never as a per-rank mean of means: trainer/metrics.py's `Tally`
+  hands `World.sums/mins/maxes` the numerators and denominators, mins and maxes of this rank's rows (one all-reduce
+  per kind, in float64) and divides after, and `gather` hands every rank the global lists (texts, rewards, lengths)
+  for the metrics that need whole groups. Each metric has one definition, for one process and N ranks alike.
+- Only rank 0 records: `World.main`.
 """
 
 from __future__ import annotations
@@ -34,14 +38,14 @@ import sys
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .loss import BatchTotals, Correction
+from .loss import BatchTotals
 
 PARALLEL = ("none", "ddp", "fsdp2")
 DEFAULT_TIMEOUT_S = 300.0
@@ -56,6 +60,9 @@ class DistributedError(RuntimeError):
 
 @dataclass(frozen=True)
 class World:
+    """How the ranks share a step, for one process: every sharing is the identity. The trainer's step calls these and
+    nothing else of torch.distributed, so the algorithm reads the same for one process and for N ranks (`Ranks`)."""
+
     rank: int = 0
     size: int = 1
     local_rank: int = 0
@@ -67,7 +74,114 @@ class World:
 
     @property
     def main(self) -> bool:
+        """Whether this process writes the run's records (metrics, samples, checkpoints): rank 0."""
         return self.rank == 0
+
+    def gather(self, values: Sequence) -> list:
+        """The global batch's list: every rank's `values`, concatenated in rank order."""
+        return list(values)
+
+    def local_rows(self, result, rows: int):
+        """This rank's rows of an AdvantageResult of the global batch (trainer/advantages.py)."""
+        return result
+
+    def reduce_totals(self, totals: BatchTotals) -> BatchTotals:
+        """The global batch's loss normalisers from this rank's."""
+        return totals
+
+    def sum(self, value: float) -> float:
+        """A number summed over ranks."""
+        return value
+
+    def sums(self, values: list) -> list:
+        """Numbers summed over ranks, element by element (a metric's numerators and denominators)."""
+        return values
+
+    def mins(self, values: list) -> list:
+        """The smallest over ranks, element by element; None is a rank with no value."""
+        return values
+
+    def maxes(self, values: list) -> list:
+        """The largest over ranks, element by element; None is a rank with no value."""
+        return values
+
+    def broadcast(self, value):
+        """Rank 0's object on every rank."""
+        return value
+
+    def wrap(self, policy: nn.Module, parallel: str) -> nn.Module:
+        """The policy as the `Logprobs` module the trainer calls (replicated or sharded over ranks)."""
+        return Logprobs(policy)
+
+    @contextmanager
+    def accumulating(self, wrapped: nn.Module, last: bool):
+        """A micro-batch's backward, gradients reduced over ranks with the last micro-batch of an update only."""
+        yield
+
+    @contextmanager
+    def full_weights(self, wrapped: nn.Module):
+        """The policy's whole weights on every rank within the block (to generate, evaluate or save alone)."""
+        yield
+
+    def clip_grad_norm(self, params: Sequence[Tensor], max_norm: float) -> Tensor:
+        """torch's clip_grad_norm_ over the global gradient: the total norm, the same on every rank."""
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+@dataclass(frozen=True)
+class Ranks(World):
+    """N ranks under torchrun, each on whole groups of the same global batch: the sharings of `World` over
+    torch.distributed (the functions of this module)."""
+
+    def gather(self, values: Sequence) -> list:
+        return gather(values)
+
+    def local_rows(self, result, rows: int):
+        """Advantages and loss mask of this rank's own completions; the group std and the shares stay the global
+        batch's."""
+        mine = slice(self.rank * rows, (self.rank + 1) * rows)
+        group = len(result.advantages) // max(len(result.group_std), 1)
+        groups = slice(mine.start // group, mine.stop // group)
+        return replace(
+            result,
+            advantages=result.advantages[mine],
+            loss_mask_seq=result.loss_mask_seq[mine],
+            group_std=result.group_std[groups],
+        )
+
+    def reduce_totals(self, totals: BatchTotals) -> BatchTotals:
+        return reduce_totals(totals)
+
+    def sum(self, value: float) -> float:
+        return sum_scalar(value)
+
+    def sums(self, values: list) -> list:
+        return _all_reduce([float(v) for v in values], dist.ReduceOp.SUM)
+
+    def mins(self, values: list) -> list:
+        return _all_reduce([math.inf if v is None else float(v) for v in values], dist.ReduceOp.MIN)
+
+    def maxes(self, values: list) -> list:
+        return _all_reduce([-math.inf if v is None else float(v) for v in values], dist.ReduceOp.MAX)
+
+    def broadcast(self, value):
+        return broadcast(value)
+
+    def wrap(self, policy: nn.Module, parallel: str) -> nn.Module:
+        return wrap(policy, parallel)
+
+    @contextmanager
+    def accumulating(self, wrapped: nn.Module, last: bool):
+        with accumulating(wrapped, last):
+            yield
+
+    @contextmanager
+    def full_weights(self, wrapped: nn.Module):
+        with full_weights(wrapped):
+            yield
+
+    def clip_grad_norm(self, params: Sequence[Tensor], max_norm: float) -> Tensor:
+        return clip_grad_norm(params, max_norm)
 
 
 def env_world_size() -> int:
@@ -94,7 +208,7 @@ def init(device: str | torch.device = "cpu", timeout_s: float = DEFAULT_TIMEOUT_
             timeout=timedelta(seconds=timeout_s),
             device_id=device if device.type == "cuda" else None,
         )
-    return World(rank, size, local_rank, device)
+    return Ranks(rank, size, local_rank, device)
 
 
 LOST_EXIT = 75  # a rank's exit status when a collective failed because another rank is gone (tasks/ranks.py)
@@ -124,7 +238,7 @@ def world() -> World:
     """The current world (after `init`)."""
     if not (dist.is_available() and dist.is_initialized()):
         return World()
-    return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+    return Ranks(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def is_main() -> bool:
@@ -249,138 +363,16 @@ def _active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def _all_reduce(values: list[float], op) -> list[float]:
+    """Floats reduced over ranks by `op`, element by element, in float64 (one all-reduce)."""
+    t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
+    if t.numel():
+        dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
 def _comm_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
-# ------------------------------------------------------------------------ metric reductions
-
-
-class Stats:
-    """Numerators and denominators, mins and maxes collected on each rank, reduced over the global batch in one
-    all-reduce per kind: a weighted mean is sum(numerators) / sum(denominators) (NaN over none), a min or max over
-    no values is NaN. Names keep the order they were added in."""
-
-    def __init__(self):
-        self._means: dict[str, tuple[float, float]] = {}
-        self._mins: dict[str, float] = {}
-        self._maxes: dict[str, float] = {}
-
-    def mean(self, name: str, numerator: float | Tensor, denominator: float | Tensor) -> None:
-        self._means[name] = (float(numerator), float(denominator))
-
-    def masked_mean(self, name: str, values: Tensor, mask: Tensor) -> None:
-        mask = mask.float()
-        self.mean(name, (values.float() * mask).sum(), mask.sum())
-
-    def min(self, name: str, values: Tensor) -> None:
-        self._mins[name] = float(values.min()) if values.numel() else math.inf
-
-    def max(self, name: str, values: Tensor) -> None:
-        self._maxes[name] = float(values.max()) if values.numel() else -math.inf
-
-    def reduce(self) -> dict[str, float]:
-        sums = torch.tensor([x for pair in self._means.values() for x in pair], dtype=torch.float64)
-        mins = torch.tensor(list(self._mins.values()), dtype=torch.float64)
-        maxes = torch.tensor(list(self._maxes.values()), dtype=torch.float64)
-        if _active():
-            device = _comm_device()
-            sums, mins, maxes = sums.to(device), mins.to(device), maxes.to(device)
-            for t, op in ((sums, dist.ReduceOp.SUM), (mins, dist.ReduceOp.MIN), (maxes, dist.ReduceOp.MAX)):
-                if t.numel():
-                    dist.all_reduce(t, op=op)
-        out: dict[str, float] = {}
-        for i, name in enumerate(self._means):
-            num, den = float(sums[2 * i]), float(sums[2 * i + 1])
-            out[name] = num / den if den > 0 else math.nan
-        for values, table in ((mins, self._mins), (maxes, self._maxes)):
-            for i, name in enumerate(table):
-                out[name] = float(values[i]) if math.isfinite(float(values[i])) else math.nan
-        return out
-
-
-def update_stats(stats: Stats, terms, loss_mask: Tensor, level: str) -> Stats:
-    """trainer/metrics.update_metrics's values (clip_ratio/*, policy_ratio/mean, kl/*) as global reductions."""
-    mask = loss_mask.float()
-    per_seq = mask.sum(dim=1)
-    has = per_seq > 0
-    for key, flags in (
-        ("low", terms.clipped_low),
-        ("high", terms.clipped_high),
-        ("region", terms.clipped_low | terms.clipped_high),
-    ):
-        seq_share = (flags.float() * mask).sum(dim=1)[has] / per_seq[has]
-        if level == "sequence":
-            stats.mean(f"clip_ratio/{key}_mean", seq_share.sum(), seq_share.numel())
-        else:
-            stats.masked_mean(f"clip_ratio/{key}_mean", flags, mask)
-        if key == "low":
-            stats.min("clip_ratio/low_min", seq_share)
-        if key == "high":
-            stats.max("clip_ratio/high_max", seq_share)
-    stats.masked_mean("policy_ratio/mean", terms.ratio, mask)
-    if terms.kl is not None:
-        for name in ("k1", "k2", "k3"):
-            stats.masked_mean(f"kl/{name}", terms.kl[name], mask)
-    return stats
-
-
-def update_metrics(terms, loss_mask: Tensor, level: str) -> dict[str, float]:
-    """The global batch's update metrics from each rank's terms (trainer/metrics.update_metrics, reduced)."""
-    m = update_stats(Stats(), terms, loss_mask, level).reduce()
-    if terms.kl is not None:
-        m["kl"] = m["kl/k3"]
-    return {k: m[k] for k in _UPDATE_ORDER if k in m}
-
-
-_UPDATE_ORDER = (
-    "clip_ratio/low_mean",
-    "clip_ratio/high_mean",
-    "clip_ratio/region_mean",
-    "clip_ratio/low_min",
-    "clip_ratio/high_max",
-    "policy_ratio/mean",
-    "kl/k1",
-    "kl/k2",
-    "kl/k3",
-    "kl",
-)
-
-
-def token_metrics(
-    entropy: Tensor,
-    old_logprobs: Tensor,
-    engine_logprobs: Tensor,
-    token_mask: Tensor,
-    loss_mask: Tensor,
-    corr: Correction,
-    correction_mode: str,
-    correction_level: str,
-    staleness: Sequence[int],
-) -> dict[str, float]:
-    """trainer/metrics.entropy_metric and sampling_metrics of the global batch, from each rank's rows."""
-    s = Stats()
-    s.masked_mean("entropy", entropy, loss_mask)
-    valid = engine_logprobs.isfinite() & token_mask.bool()
-    s.mean("sampling/frac_logprobs_valid", valid.sum(), token_mask.sum())
-    diff = (old_logprobs - engine_logprobs).abs()[valid]
-    s.mean("sampling/sampling_logp_difference/mean", diff.sum(), diff.numel())
-    s.max("sampling/sampling_logp_difference/max", diff)
-    s.mean("sampling/staleness/mean", sum(staleness), len(staleness))
-    s.max("sampling/staleness/max", torch.tensor([float(x) for x in staleness]))
-    scored = loss_mask.bool() & valid
-    weights = corr.ratio if correction_mode == "off" else corr.weight
-    weights = weights[:, 0][scored.any(dim=1)] if correction_level == "sequence" else weights[scored]
-    s.min("sampling/importance_sampling_ratio/min", weights)
-    s.mean("sampling/importance_sampling_ratio/mean", weights.sum(), weights.numel())
-    s.max("sampling/importance_sampling_ratio/max", weights)
-    s.masked_mean("sampling/truncated_fraction", corr.truncated, loss_mask)
-    s.masked_mean("sampling/masked_fraction", corr.masked, loss_mask)
-    m = s.reduce()
-    total = m["sampling/frac_logprobs_valid"]
-    if math.isnan(total):  # no completion tokens at all: metrics.py divides by max(n, 1)
-        m["sampling/frac_logprobs_valid"] = 0.0
-    return m
 
 
 # ------------------------------------------------------------------------ the model, wrapped
@@ -512,23 +504,6 @@ def _is_fsdp(module: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(module, FSDPModule)
-
-
-def local_rows(result, rows: int):
-    """This rank's rows of an AdvantageResult computed over the global batch (trainer/advantages.py): advantages and
-    loss mask of its own completions; the group std and the shares stay the global batch's."""
-    from dataclasses import replace
-
-    w = world()
-    mine = slice(w.rank * rows, (w.rank + 1) * rows)
-    group = len(result.advantages) // max(len(result.group_std), 1)
-    groups = slice(mine.start // group, mine.stop // group)
-    return replace(
-        result,
-        advantages=result.advantages[mine],
-        loss_mask_seq=result.loss_mask_seq[mine],
-        group_std=result.group_std[groups],
-    )
 
 
 def _sum_hook(state, bucket):

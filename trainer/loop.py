@@ -26,6 +26,8 @@ Reads top to bottom in the order the data flows. The choices, on purpose:
   each rank samples and scores whole groups of the step's prompts, advantages and loss normalisers are the global
   batch's, gradients are summed over ranks (DDP or FSDP2) and metrics reduced over the global batch; only rank 0
   writes metrics, samples and checkpoints (the plain checkpoint one process writes, the weights gathered whole).
+  The step asks `self.world` (trainer/distributed.py's `World`, the identity for one process) for each of these, so
+  it reads the same for one process and for N ranks, with no branch on the world size.
 - A step is `train_on` (given its rollouts) then `record_step` (log, ask the gate and callbacks, checkpoint):
   concurrent trials over one base model (trainer/multi.py) call the same two with rollouts sampled together.
 - SIGTERM (preemption) and SIGINT (Ctrl-C) during the loop stop it at a safe point (`SafePoint`): the step in
@@ -47,13 +49,15 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
 import torch
+from torch import Tensor
 from transformers import set_seed
 
 from . import checkpoint as ckpt
 from . import distributed as dd
-from .advantages import compute_advantages
+from .advantages import AdvantageResult, compute_advantages
 from .config import InputError, TrainerConfig
 from .data import PromptSampler, data_fingerprint, load_datasets, render_prompt, reward_columns
 from .episodes import add_environment_reward, conversation_text, episode_metrics
@@ -139,45 +143,16 @@ class GRPOTrainer:
         self.out.mkdir(parents=True, exist_ok=True)
         set_seed(cfg.optim.seed)  # Python's random, numpy, torch (and CUDA)
         self.world = dd.init(resolve_device(cfg.model.device))  # torchrun's ranks (trainer/distributed.py); or one
-
-        # ---------------------------------------------------------------- model, reference, optimizer
-        ensure_model(cfg.model)
         self.device = resolve_device(cfg.model.device)
         self.adapter = adapter
-        if shared is None:
-            self.model, self.tokenizer = load_policy(
-                cfg.model, cfg.lora, adapter_path=str(init_adapter) if init_adapter else None
-            )
-            self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        else:  # right after set_seed, as load_policy would create it: the same initial adapter as a lone run's
-            self.model, self.tokenizer = shared.add(adapter, cfg.lora, init_adapter)
-            self.named_params = adapter_parameters(self.model, adapter)
-        self.model.train()
-        if cfg.grpo.pack_sequences:
-            _check_packing(self.model, self.device)
-        self.params = [p for _, p in self.named_params]
-        g = cfg.grpo
-        self.ref_model = None
-        if g.beta > 0 and not cfg.lora.enabled and g.kl_ref_step_lag is None:
-            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
-        self.lagged: deque = deque(maxlen=(g.kl_ref_step_lag or 0) + 1)
-        self.wrapped = dd.wrap(self.model, cfg.model.parallel)  # the logprob forward, replicated or sharded over ranks
-        if self.world.distributed:  # FSDP2 replaced the parameters with sharded ones
-            self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-            self.params = [p for _, p in self.named_params]
-        o = cfg.optim
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=o.learning_rate, betas=(o.adam_beta1, o.adam_beta2), weight_decay=o.weight_decay
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, _lr_lambda(o.schedule, o.warmup_steps, o.steps * g.num_iterations)
-        )
+        self._load_policy(init_adapter, shared)
+        self.optimizer, self.scheduler = self._optimizer()
 
         # ---------------------------------------------------------------- data, rewards, health, engine
         self.train_set, self.eval_set = load_datasets(cfg.data)
         self.sampler = PromptSampler(len(self.train_set), cfg.data.seed)
         self._prompt_cache: dict[int, list[int]] = {}
-        self.rewards = RewardComputer(cfg.rewards, group_size=g.num_generations, output_dir=self.out)
+        self.rewards = RewardComputer(cfg.rewards, group_size=cfg.grpo.num_generations, output_dir=self.out)
         self.gate = HealthGate(
             cfg.health,
             correctness=self.rewards.accuracy_name(cfg.eval.reward),
@@ -192,6 +167,42 @@ class GRPOTrainer:
         self.step = 0
         self.num_tokens = 0  # prompt + completion tokens of all steps so far (TRL's num_tokens)
         self.last_prompt_indices: list[int] = []
+
+    def _load_policy(self, init_adapter: str | Path | None, shared) -> None:
+        """The policy (its own, or an adapter on a shared base), its trainable parameters, the KL reference and the
+        policy wrapped for the world's ranks."""
+        cfg, g = self.cfg, self.cfg.grpo
+        ensure_model(cfg.model)
+        if shared is None:
+            self.model, self.tokenizer = load_policy(
+                cfg.model, cfg.lora, adapter_path=str(init_adapter) if init_adapter else None
+            )
+            self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        else:  # right after set_seed, as load_policy would create it: the same initial adapter as a lone run's
+            self.model, self.tokenizer = shared.add(self.adapter, cfg.lora, init_adapter)
+            self.named_params = adapter_parameters(self.model, self.adapter)
+        self.model.train()
+        if g.pack_sequences:
+            _check_packing(self.model, self.device)
+        self.ref_model = None
+        if g.beta > 0 and not cfg.lora.enabled and g.kl_ref_step_lag is None:
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.lagged: deque = deque(maxlen=(g.kl_ref_step_lag or 0) + 1)
+        self.wrapped = self.world.wrap(self.model, cfg.model.parallel)  # the logprob forward, replicated or sharded
+        if self.world.distributed:  # FSDP2 replaced the parameters with sharded ones
+            self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in self.named_params]
+
+    def _optimizer(self) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+        """AdamW over the trainable parameters, and the learning-rate schedule over all the run's updates."""
+        o = self.cfg.optim
+        optimizer = torch.optim.AdamW(
+            self.params, lr=o.learning_rate, betas=(o.adam_beta1, o.adam_beta2), weight_decay=o.weight_decay
+        )
+        total_updates = o.steps * self.cfg.grpo.num_iterations
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(
+            optimizer, _lr_lambda(o.schedule, o.warmup_steps, total_updates)
+        )
 
     @property
     def engine(self):
@@ -271,183 +282,202 @@ class GRPOTrainer:
     def train_step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
         # 1-2. prompts and rollouts: this step's batch, sampled now or (max_off_policy_steps) up to k steps ago
-        with dd.full_weights(self.wrapped):  # each rank samples its own prompts, without collectives
+        with self.world.full_weights(self.wrapped):  # each rank samples its own prompts, without collectives
             sampled = self.rollouts.take(step, self.model)
         return self.train_on(step, sampled, t0)
 
     def train_on(self, step: int, sampled: RolloutBatch, t0: float) -> dict[str, float]:
         """Steps 3-8 on `step`'s rollouts (sampled by this trainer's producer, or with other trials' in one engine
-        call: trainer/multi.py); `t0` is when the step began."""
-        cfg, g = self.cfg, self.cfg.grpo
+        call: trainer/multi.py); `t0` is when the step began. Each rank holds whole groups of the global batch;
+        `self.world` says how the ranks share the step (for one process, every sharing is the identity)."""
+        g, world, completions = self.cfg.grpo, self.world, sampled.completions
         if g.kl_ref_step_lag:
             self.lagged.append({n: p.detach().to("cpu", copy=True) for n, p in self.named_params})
-        indices, completions = sampled.prompt_indices, sampled.completions
-        examples = [self.train_set[i] for i in indices]
-        t_rollout = time.perf_counter()
-        staleness = sampled.versions_behind(step - 1)  # per completion: versions between its sampler and pi_old
+        laps = _Laps(t0, "time/rollout")
         ckpt.fault_point("kill-in-step", step)
         ckpt.fault_point("hold-in-step", step)
-        self.last_prompt_indices = dd.gather(indices)  # the global batch's, in rank order
+        self.last_prompt_indices = world.gather(sampled.prompt_indices)  # the global batch's, in rank order
 
         # 3. rewards
-        texts = [c.text for c in completions]
-        answers = [e.answer for e in examples for _ in range(g.num_generations)]
-        prompts = [e.prompt for e in examples for _ in range(g.num_generations)]
-        total, parts = self.rewards(texts, answers, prompts, **reward_columns(examples, g.num_generations))
-        total, parts = add_environment_reward(total, parts, completions)  # an environment's own, when it has one
-        t_reward = time.perf_counter()
+        scored = self._score(step, [self.train_set[i] for i in sampled.prompt_indices], completions)
+        laps("time/reward")
 
-        # 4. advantages
-        #    over the global batch (a rank holds whole groups; scale_rewards: batch is the global batch's), then this
-        #    rank's rows
-        truncated = torch.tensor(dd.gather([c.finish_reason == "length" for c in completions]))
+        # 4. advantages over the global batch (scale_rewards: batch is the global batch's), then this rank's rows
         adv_all = compute_advantages(
-            torch.tensor(dd.gather(total), dtype=torch.float32),
+            torch.tensor(world.gather(scored.total), dtype=torch.float32),
             g.num_generations,
             g.scale_rewards,
-            truncated=truncated,
+            truncated=torch.tensor(world.gather([c.finish_reason == "length" for c in completions])),
             mask_truncated=g.mask_truncated_completions,
             drop_zero_std_groups=g.drop_zero_std_groups,
         )
-        adv = dd.local_rows(adv_all, len(completions))
 
-        # 5. batch tensors: left-padded prompt, right-padded completion; the whole batch's loss normalisers
-        batch = _padded_batch(completions, self.tokenizer.pad_token_id)
-        token_mask = batch["completion_mask"].to(self.device)  # every sampled completion token (not inserted ones)
-        loss_mask = token_mask * adv.loss_mask_seq.float().to(self.device).unsqueeze(1)  # those in the loss
-        engine_lp = batch["engine_logprobs"].to(self.device)
-        missing = int((~torch.isfinite(engine_lp) & token_mask.bool()).sum())
-        correction = g.rollout_correction
-        if missing and correction.mode != "off":
-            raise TrainingError(
-                f"step {step}: the '{self.engine.name}' rollout engine returned no logprobs for {missing} of "
-                f"{int(token_mask.sum())} completion tokens, and grpo.rollout_correction.mode: {correction.mode} "
-                "weights each token by pi_old / pi_engine: without them the step would silently train as if the engine "
-                "had sampled the trainer's policy; fix the engine (or the trajectory file), or set "
-                "grpo.rollout_correction.mode: off to train without the correction"
-            )
-        totals = dd.reduce_totals(BatchTotals.of(loss_mask))  # the global batch's, fixed before the micro-batch loop
-        ids, attn = batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
-        Tc = batch["completion_len"]
-        micro = _micro_slices(len(completions), cfg.optim.gradient_accumulation_steps)
-        temp = cfg.rollout.temperature
-        self.num_tokens += int(dd.sum_scalar(sum(len(c.prompt_ids) + len(c.token_ids) for c in completions)))
+        # 5. batch tensors, and the global batch's loss normalisers, fixed before the micro-batch loop
+        batch = self._batch(step, completions, world.local_rows(adv_all, len(completions)))
+        self.num_tokens += int(world.sum(sum(len(c.prompt_ids) + len(c.token_ids) for c in completions)))
 
         # 6. reference logprobs
-        ref_lp = None
-        if g.beta > 0:
-            with torch.no_grad(), self._reference():
-                ref_lp = torch.cat(
-                    [self._logprobs(self._ref_forward_model(), ids[s], attn[s], Tc, temp)[0] for s in micro]
-                )
-        t_logprobs = time.perf_counter()
+        ref_logprobs = self._reference_logprobs(batch) if g.beta > 0 else None
+        laps("time/logprobs")
 
-        # 7. updates. pi_old is the trainer's: the first pass's own forward, detached (the optimizer steps only
-        #    after every micro-batch), kept for later passes; the rollout correction is computed from it.
-        adv_t = adv.advantages.to(self.device)
-        old_lp, entropy, weight = torch.zeros_like(engine_lp), torch.zeros_like(engine_lp), torch.ones_like(engine_lp)
-        per_update: list[dict[str, float]] = []
-        for it in range(g.num_iterations):
-            loss_sum, terms = 0.0, []
-            for k, s in enumerate(micro):
-                with dd.accumulating(self.wrapped, last=k == len(micro) - 1):  # ranks' gradients summed once a step
-                    lp, ent = self._logprobs(self.model, ids[s], attn[s], Tc, temp, with_entropy=(it == 0))
-                    if it == 0:
-                        old_lp[s], entropy[s] = lp.detach().float(), ent.detach().float()
-                        weight[s] = rollout_correction(old_lp[s], engine_lp[s], loss_mask[s], correction).weight
-                    loss, part = grpo_loss(
-                        lp,
-                        old_lp[s],
-                        adv_t[s],
-                        loss_mask[s],
-                        g,
-                        correction=weight[s],
-                        totals=totals,
-                        ref_logprobs=None if ref_lp is None else ref_lp[s],
-                        max_completion_length=cfg.rollout.max_tokens,
-                    )
-                    loss.backward()  # this micro-batch's exact share of the global batch's loss
-                loss_sum += float(loss.detach())
-                terms.append(part)
-            grad_norm = dd.clip_grad_norm(self.params, cfg.optim.max_grad_norm)  # of the global gradient
-            if not torch.isfinite(grad_norm):
-                raise TrainingError(
-                    f"step {step}: gradient norm is {float(grad_norm)}; lower optim.learning_rate or check rewards "
-                    "for extreme values"
-                )
-            per_update.append(
-                {
-                    "loss": dd.sum_scalar(loss_sum),
-                    "grad_norm": float(grad_norm),
-                    **(dd.update_metrics if self.world.distributed else update_metrics)(
-                        LossTerms.cat(terms), loss_mask, g.importance_sampling_level
-                    ),
-                }
-            )
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        t_update = time.perf_counter()
+        # 7. updates. pi_old is the trainer's: the first pass's own forward, detached, kept for later passes
+        per_update = [self._update(step, batch, ref_logprobs, first=it == 0) for it in range(g.num_iterations)]
+        laps("time/update")
 
-        # 8. metrics (trainer/metrics.py says what each means)
-        lengths = [len(c.token_ids) for c in completions]
-        endings = [c.finish_reason for c in completions]
-        self._append_rows(
-            self.out / SAMPLES_FILE,
-            sample_rows(
-                step,
-                prompts,
-                answers,
-                texts,
-                endings,
-                lengths,
-                total,
-                parts,
-                cfg.rollout.log_samples,
-                [conversation_text(c) for c in completions],
-            ),
-        )
-        m: dict[str, float] = {"step": step, "num_tokens": float(self.num_tokens)}
-        if self.world.distributed:  # the lists of the global batch, for the metrics that read whole groups
-            completions, total = dd.gather(completions), dd.gather(total)
-            parts = {name: dd.gather(values) for name, values in parts.items()}
-            texts, lengths = [c.text for c in completions], [len(c.token_ids) for c in completions]
-        m.update(reward_metrics(total, parts, adv_all.frac_reward_zero_std, adv_all.frac_zero_std_groups))
-        m.update(self.rewards.step_metrics)  # judge/* and other reward objects' metrics
-        m.update(completion_metrics(lengths, [c.finish_reason for c in completions]))
-        m.update(mean_over_updates(per_update))
-        corr = rollout_correction(old_lp, engine_lp, loss_mask, correction)  # the whole batch's, as applied
-        if self.world.distributed:  # sums and counts, mins and maxes over the global batch
-            mode, level = correction.mode, correction.level
-            m.update(dd.token_metrics(entropy, old_lp, engine_lp, token_mask, loss_mask, corr, mode, level, staleness))
-        else:
-            m.update(entropy_metric(entropy, loss_mask))
-            m.update(sampling_metrics(old_lp, engine_lp, token_mask, loss_mask, corr, correction, staleness))
-        m.update(batch_health(texts, [c.token_ids for c in completions]))
-        m.update(hacking_signals([c.token_ids for c in completions], total, g.num_generations))
-        m.update(episode_metrics(completions))  # turns, tool calls and errors, budgets, drift (multi-turn episodes)
-        m["advantages/frac_masked"] = 1.0 - float(adv_all.loss_mask_seq.float().mean())
-        m["learning_rate"] = self.scheduler.get_last_lr()[0]
-        t_end = time.perf_counter()
-        m["time/generate"] = sampled.generate_s
-        m.update(
-            {
-                "time/rollout": t_rollout - t0,
-                "time/reward": t_reward - t_rollout,
-                "time/logprobs": t_logprobs - t_reward,
-                "time/update": t_update - t_logprobs,
-                "step_time": t_end - t0,
-                "tokens_per_second": sum(lengths) / (t_end - t0),
-            }
-        )
-        if cfg.eval.every and step % cfg.eval.every == 0:
+        # 8. metrics of the global batch (trainer/metrics.py says what each means), and the step's samples
+        self._append_rows(self.out / SAMPLES_FILE, scored.sample_rows)
+        m = self._step_metrics(step, sampled, scored, adv_all, batch, per_update, laps)
+        if self.cfg.eval.every and step % self.cfg.eval.every == 0:
             m.update(self.evaluate(step))
         m.update(self.gate.observe(step, m))  # trends over steps and eval points
         return m
 
+    def _score(self, step: int, examples: list, completions: list) -> _Scored:
+        """The rewards of this rank's completions (and their sample rows, written by rank 0)."""
+        G = self.cfg.grpo.num_generations
+        texts = [c.text for c in completions]
+        answers = [e.answer for e in examples for _ in range(G)]
+        prompts = [e.prompt for e in examples for _ in range(G)]
+        total, parts = self.rewards(texts, answers, prompts, **reward_columns(examples, G))
+        total, parts = add_environment_reward(total, parts, completions)  # an environment's own, when it has one
+        rows = sample_rows(  # written with the step's metrics (step 8)
+            step,
+            prompts,
+            answers,
+            texts,
+            [c.finish_reason for c in completions],
+            [len(c.token_ids) for c in completions],
+            total,
+            parts,
+            self.cfg.rollout.log_samples,
+            [conversation_text(c) for c in completions],
+        )
+        return _Scored(total, parts, rows)
+
+    def _batch(self, step: int, completions: list, adv: AdvantageResult) -> _StepBatch:
+        """This rank's rows as tensors on the trainer's device: left-padded prompts, right-padded completions."""
+        padded = _padded_batch(completions, self.tokenizer.pad_token_id)
+        token_mask = padded["completion_mask"].to(self.device)  # every sampled completion token (not inserted ones)
+        loss_mask = token_mask * adv.loss_mask_seq.float().to(self.device).unsqueeze(1)  # those in the loss
+        engine_logprobs = padded["engine_logprobs"].to(self.device)
+        self._check_engine_logprobs(step, engine_logprobs, token_mask)
+        return _StepBatch(
+            ids=padded["input_ids"].to(self.device),
+            attn=padded["attention_mask"].to(self.device),
+            completion_len=padded["completion_len"],
+            token_mask=token_mask,
+            loss_mask=loss_mask,
+            engine_logprobs=engine_logprobs,
+            advantages=adv.advantages.to(self.device),
+            totals=self.world.reduce_totals(BatchTotals.of(loss_mask)),
+            micro=_micro_slices(len(completions), self.cfg.optim.gradient_accumulation_steps),
+            old_logprobs=torch.zeros_like(engine_logprobs),
+            entropy=torch.zeros_like(engine_logprobs),
+            weight=torch.ones_like(engine_logprobs),
+        )
+
+    def _check_engine_logprobs(self, step: int, engine_logprobs: Tensor, token_mask: Tensor) -> None:
+        """A rollout correction needs the engine's logprob of every sampled token."""
+        missing = int((~torch.isfinite(engine_logprobs) & token_mask.bool()).sum())
+        mode = self.cfg.grpo.rollout_correction.mode
+        if missing and mode != "off":
+            raise TrainingError(
+                f"step {step}: the '{self.engine.name}' rollout engine returned no logprobs for {missing} of "
+                f"{int(token_mask.sum())} completion tokens, and grpo.rollout_correction.mode: {mode} "
+                "weights each token by pi_old / pi_engine: without them the step would silently train as if the engine "
+                "had sampled the trainer's policy; fix the engine (or the trajectory file), or set "
+                "grpo.rollout_correction.mode: off to train without the correction"
+            )
+
+    def _reference_logprobs(self, b: _StepBatch) -> Tensor:
+        with torch.no_grad(), self._reference():
+            model = self.ref_model if self.ref_model is not None else self.model
+            return torch.cat([self._logprobs(model, b.ids[s], b.attn[s], b.completion_len)[0] for s in b.micro])
+
+    def _update(self, step: int, b: _StepBatch, ref_logprobs: Tensor | None, first: bool) -> dict[str, float]:
+        """One optimizer update on the whole batch, micro-batch by micro-batch (each backward its exact share of the
+        global batch's loss). The first also fills in pi_old, the entropy and the rollout-correction weights from its
+        own forward (detached: the optimizer steps only after every micro-batch). Returns the update's metrics."""
+        g, world = self.cfg.grpo, self.world
+        loss_sum, terms = 0.0, []
+        for k, s in enumerate(b.micro):
+            with world.accumulating(self.wrapped, last=k == len(b.micro) - 1):  # ranks' gradients summed once
+                lp, ent = self._logprobs(self.model, b.ids[s], b.attn[s], b.completion_len, with_entropy=first)
+                if first:
+                    b.old_logprobs[s], b.entropy[s] = lp.detach().float(), ent.detach().float()
+                    corr = rollout_correction(
+                        b.old_logprobs[s], b.engine_logprobs[s], b.loss_mask[s], g.rollout_correction
+                    )
+                    b.weight[s] = corr.weight
+                loss, part = grpo_loss(
+                    lp,
+                    b.old_logprobs[s],
+                    b.advantages[s],
+                    b.loss_mask[s],
+                    g,
+                    correction=b.weight[s],
+                    totals=b.totals,
+                    ref_logprobs=None if ref_logprobs is None else ref_logprobs[s],
+                    max_completion_length=self.cfg.rollout.max_tokens,
+                )
+                loss.backward()
+            loss_sum += float(loss.detach())
+            terms.append(part)
+        grad_norm = world.clip_grad_norm(self.params, self.cfg.optim.max_grad_norm)  # of the global gradient
+        if not torch.isfinite(grad_norm):
+            raise TrainingError(
+                f"step {step}: gradient norm is {float(grad_norm)}; lower optim.learning_rate or check rewards "
+                "for extreme values"
+            )
+        m = {"loss": world.sum(loss_sum), "grad_norm": float(grad_norm)}
+        m.update(update_metrics(LossTerms.cat(terms), b.loss_mask, g.importance_sampling_level, world))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return m
+
+    def _step_metrics(
+        self,
+        step: int,
+        sampled: RolloutBatch,
+        scored: _Scored,
+        adv_all: AdvantageResult,
+        b: _StepBatch,
+        per_update: list[dict[str, float]],
+        laps: _Laps,
+    ) -> dict[str, float]:
+        """The step's metrics, of the global batch: the lists gathered from every rank, the tensors' parts reduced."""
+        world, G, correction = self.world, self.cfg.grpo.num_generations, self.cfg.grpo.rollout_correction
+        every = world.gather(sampled.completions)  # for the metrics that read whole groups
+        total, parts = world.gather(scored.total), {name: world.gather(v) for name, v in scored.parts.items()}
+        lengths = [len(c.token_ids) for c in every]
+        m: dict[str, float] = {"step": step, "num_tokens": float(self.num_tokens)}
+        m.update(reward_metrics(total, parts, adv_all.frac_reward_zero_std, adv_all.frac_zero_std_groups))
+        m.update(self.rewards.step_metrics)  # judge/* and other reward objects' metrics
+        m.update(completion_metrics(lengths, [c.finish_reason for c in every]))
+        m.update(mean_over_updates(per_update))
+        m.update(entropy_metric(b.entropy, b.loss_mask, world))
+        corr = rollout_correction(b.old_logprobs, b.engine_logprobs, b.loss_mask, correction)  # as applied
+        staleness = sampled.versions_behind(step - 1)  # per completion: versions between its sampler and pi_old
+        m.update(
+            sampling_metrics(
+                b.old_logprobs, b.engine_logprobs, b.token_mask, b.loss_mask, corr, correction, staleness, world
+            )
+        )
+        m.update(batch_health([c.text for c in every], [c.token_ids for c in every]))
+        m.update(hacking_signals([c.token_ids for c in every], total, G))
+        m.update(episode_metrics(every))  # turns, tool calls and errors, budgets, drift (multi-turn episodes)
+        m["advantages/frac_masked"] = 1.0 - float(adv_all.loss_mask_seq.float().mean())
+        m["learning_rate"] = self.scheduler.get_last_lr()[0]
+        m["time/generate"] = sampled.generate_s
+        m.update(laps.seconds)
+        m["step_time"] = time.perf_counter() - laps.t0
+        m["tokens_per_second"] = sum(lengths) / m["step_time"]
+        return m
+
     def evaluate(self, step: int = 0) -> dict[str, float]:
         """The held-out metrics; eval.log_samples of the completions go to eval_samples.jsonl, marked with `step`."""
-        with dd.full_weights(self.wrapped):  # every rank evaluates the same held-out set the same way
+        with self.world.full_weights(self.wrapped):  # every rank evaluates the same held-out set the same way
             metrics, rows = evaluate_with_samples(
                 self.model, self.tokenizer, self.eval_set, self.cfg.eval, self.rewards, self.cfg.data, step
             )
@@ -512,7 +542,7 @@ class GRPOTrainer:
                 cb.on_step(step, m)
             for cb in self.callbacks:
                 stopped = stopped or cb.should_stop(step, m)
-        stopped = dd.broadcast(stopped or interrupted)
+        stopped = self.world.broadcast(stopped or interrupted)
         saved = None
         if step % self.cfg.checkpoint.every == 0 or step == total or stopped:
             saved = self.save()
@@ -533,9 +563,9 @@ class GRPOTrainer:
         if self.cfg.model.parallel == "fsdp2":
             model = _SavedWith(self.model, dist_checkpoint.full_trainable_state(self.wrapped))
             optimizer = _StateOf(dist_checkpoint.full_optimizer_state(self.wrapped, self.optimizer))
-        with dd.full_weights(self.wrapped):
+        with self.world.full_weights(self.wrapped):
             path = self._save(optimizer, model, in_flight) if self.world.main else None
-        return dd.broadcast(path)
+        return self.world.broadcast(path)
 
     def _save(self, optimizer, model, in_flight: dict) -> Path:
         """in_flight: the producer's state (batches sampled ahead, max_off_policy_steps; the sampler is past them)."""
@@ -590,7 +620,7 @@ class GRPOTrainer:
 
     def _append_rows(self, path: Path, rows: list[dict]) -> None:
         """Samples of the global batch, written by rank 0 in rank order."""
-        rows = dd.gather(rows)
+        rows = self.world.gather(rows)
         if self.world.main:
             append_rows(path, rows)
 
@@ -600,9 +630,10 @@ class GRPOTrainer:
             self._prompt_cache[index] = render_prompt(self.tokenizer, self.train_set[index].prompt, self.cfg.data)
         return self._prompt_cache[index]
 
-    def _logprobs(self, model, ids, attn, completion_len, temperature, with_entropy=False):
+    def _logprobs(self, model, ids, attn, completion_len, with_entropy=False) -> tuple[Tensor, Tensor]:
+        """Logprobs (and, when asked, entropies; else zeros) of the completion tokens at the sampling temperature."""
         options = dict(
-            temperature=temperature,
+            temperature=self.cfg.rollout.temperature,
             chunk_size=self.cfg.grpo.chunk_rows(self.device.type),
             with_entropy=with_entropy,
             packed=self.cfg.grpo.pack_sequences,
@@ -612,9 +643,6 @@ class GRPOTrainer:
         else:
             lp, ent = completion_logprobs(model, ids, attn, completion_len, **options)
         return lp, (ent if ent is not None else torch.zeros_like(lp))
-
-    def _ref_forward_model(self):
-        return self.ref_model if self.ref_model is not None else self.model
 
     @contextmanager
     def _reference(self):
@@ -682,6 +710,47 @@ class SafePoint:
 
 
 # ------------------------------------------------------------------------ plain helpers
+
+
+@dataclass
+class _Scored:
+    """The rewards of this rank's completions, and their rows for samples.jsonl."""
+
+    total: list[float]  # the weighted total of each completion
+    parts: dict[str, list[float]]  # each reward function's (unweighted) score
+    sample_rows: list[dict]
+
+
+@dataclass
+class _StepBatch:
+    """This rank's rows of the step's batch on the trainer's device; the first update fills in pi_old, the entropy and
+    the rollout-correction weights."""
+
+    ids: Annotated[Tensor, "batch prompt+completion"]  # left-padded prompt, right-padded completion
+    attn: Annotated[Tensor, "batch prompt+completion"]
+    completion_len: int  # T, the completion columns
+    token_mask: Annotated[Tensor, "batch completion"]  # every sampled completion token (not inserted ones)
+    loss_mask: Annotated[Tensor, "batch completion"]  # those that count in the loss
+    engine_logprobs: Annotated[Tensor, "batch completion"]  # the rollout engine's (NaN where it gave none)
+    advantages: Annotated[Tensor, "batch"]
+    totals: BatchTotals  # the global batch's loss normalisers
+    micro: list[slice]  # the micro-batches (optim.gradient_accumulation_steps)
+    old_logprobs: Annotated[Tensor, "batch completion"]  # pi_old
+    entropy: Annotated[Tensor, "batch completion"]
+    weight: Annotated[Tensor, "batch completion"]  # the rollout correction, as applied
+
+
+class _Laps:
+    """Wall seconds of the step's phases: each call ends one (its seconds since the previous call, or since `t0`)."""
+
+    def __init__(self, t0: float, first: str):
+        self.t0 = self._last = t0
+        self.seconds: dict[str, float] = {}
+        self(first)
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name], self._last = now - self._last, now
 
 
 def _padded_batch(completions, pad_id: int) -> dict:

@@ -43,13 +43,19 @@ The choices made here (every option is a field of `GRPOConfig`, documented there
 - **Masks**: `completion_mask` is 1 for tokens that count in the loss; rows left out (truncated,
   zero-std groups) are all zero. Values at masked positions are ignored, even NaN; NaN in `old_logprobs`
   at a real token raises.
+- **One typed input, a registry of losses.** `grpo_loss` checks its tensors once and prepares a `LossInputs` (each
+  tensor's shape written beside it: the ratio, the KL estimates, the correction weights, the masks); the loss of
+  `loss_type` is looked up in `POLICY_LOSSES` (`register_policy_loss`, as verl's) and answers a `LossOutputs`. A new
+  variant is one registered function of `LossInputs`.
 - **No stats here**: `LossTerms` hands back the detached per-token terms, and `trainer/metrics.py` turns the
   whole batch's terms into the reported numbers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
 from torch import Tensor
@@ -122,6 +128,79 @@ def rollout_correction(
     return Correction(torch.ones_like(ratio), ratio, none, none)
 
 
+# ------------------------------------------------------------------------ the loss of one (micro-)batch
+
+
+@dataclass
+class LossInputs:
+    """What every policy loss reads, checked and prepared once: values at masked positions replaced (so NaN cannot
+    leak through 0 * NaN), the importance ratio and the KL estimates computed."""
+
+    logprobs: Annotated[Tensor, "batch seq"]  # log pi_theta of the sampled tokens; gradients flow through these only
+    old_logprobs: Annotated[Tensor, "batch seq"]  # log pi_old, the trainer's before the step's first update
+    advantages: Annotated[Tensor, "batch 1"]  # one per sequence, in the logprobs' dtype
+    mask: Annotated[Tensor, "batch seq"]  # bool: the tokens that count in the loss
+    weight: Annotated[Tensor, "batch seq"]  # rollout correction w (0 off the mask; 1 everywhere without one)
+    log_ratio: Annotated[Tensor, "batch seq"]  # log pi_theta - log pi_old; [batch 1] at importance_sampling_level
+    #                                            sequence (the sequence's mean)
+    ratio: Annotated[Tensor, "batch seq"]  # exp(log_ratio), a sequence's repeated over its tokens
+    kl: dict[str, Annotated[Tensor, "batch seq"]] | None  # k1, k2, k3 to the reference (None without one)
+    tokens_per_seq: Annotated[Tensor, "batch"]  # loss tokens of each sequence
+    totals: BatchTotals  # the whole batch's normalisers
+    max_completion_length: int | None  # rollout.max_tokens (dr_grpo's normaliser)
+
+    @classmethod
+    def of(cls, logprobs, old_logprobs, advantages, mask, cfg, ref_logprobs, correction, totals, max_len) -> LossInputs:
+        mask = mask.bool()
+        mask_f = mask.to(logprobs.dtype)
+        old_logprobs = torch.where(mask, old_logprobs, logprobs.detach())
+        if ref_logprobs is not None:
+            ref_logprobs = torch.where(mask, ref_logprobs, logprobs.detach())
+        weight = (
+            torch.ones_like(logprobs) if correction is None else torch.where(mask, correction.to(mask_f.dtype), 0.0)
+        )
+        tokens_per_seq = mask_f.sum(dim=1)
+        log_ratio = logprobs - old_logprobs
+        if cfg.importance_sampling_level == "sequence":
+            log_ratio = ((log_ratio * mask_f).sum(dim=1) / tokens_per_seq.clamp(min=1)).unsqueeze(1)
+        return cls(
+            logprobs=logprobs,
+            old_logprobs=old_logprobs,
+            advantages=advantages.to(logprobs.dtype).unsqueeze(1),
+            mask=mask,
+            weight=weight,
+            log_ratio=log_ratio,
+            ratio=torch.exp(log_ratio).expand_as(logprobs),
+            kl=kl_estimators(logprobs, ref_logprobs) if ref_logprobs is not None else None,
+            tokens_per_seq=tokens_per_seq,
+            totals=totals,
+            max_completion_length=max_len,
+        )
+
+
+@dataclass
+class LossOutputs:
+    """A policy loss's answer: this batch's share of the whole batch's loss, and which tokens it clipped."""
+
+    loss: Annotated[Tensor, ""]  # a scalar, with gradient
+    clipped_low: Annotated[Tensor, "batch seq"]  # bool (metrics.py's clip_ratio/low_*)
+    clipped_high: Annotated[Tensor, "batch seq"]  # bool (clip_ratio/high_*)
+
+
+PolicyLoss = Callable[[LossInputs, GRPOConfig], LossOutputs]
+POLICY_LOSSES: dict[str, PolicyLoss] = {}  # grpo.loss_type -> its loss
+
+
+def register_policy_loss(*names: str) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Make the decorated function the loss of each `grpo.loss_type` in `names`."""
+
+    def register(fn: PolicyLoss) -> PolicyLoss:
+        POLICY_LOSSES.update(dict.fromkeys(names, fn))
+        return fn
+
+    return register
+
+
 def grpo_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -133,19 +212,37 @@ def grpo_loss(
     totals: BatchTotals | None = None,
     max_completion_length: int | None = None,
 ) -> tuple[Tensor, LossTerms]:
-    """This (micro-)batch's share of the whole batch's loss, and its detached terms. logprobs, old_logprobs,
-    ref_logprobs, correction, completion_mask are [B, T]; advantages [B]. `totals` are the whole batch's
-    (default: this batch is the whole batch). Gradients flow through `logprobs` only."""
-    # ---- check the inputs ------------------------------------------------------------------------
+    """This (micro-)batch's share of the whole batch's loss by `cfg.loss_type`, and its detached terms. logprobs,
+    old_logprobs, ref_logprobs, correction, completion_mask are [B, T]; advantages [B]. `totals` are the whole
+    batch's (default: this batch is the whole batch). Gradients flow through `logprobs` only."""
+    _check_inputs(
+        logprobs, old_logprobs, advantages, completion_mask, cfg, ref_logprobs, correction, max_completion_length
+    )
+    totals = totals or BatchTotals.of(completion_mask)
+    x = LossInputs.of(
+        logprobs,
+        old_logprobs,
+        advantages,
+        completion_mask,
+        cfg,
+        ref_logprobs,
+        correction,
+        totals,
+        max_completion_length,
+    )
+    out = POLICY_LOSSES[cfg.loss_type](x, cfg)
+    return out.loss, _terms(x.ratio, out.clipped_low, out.clipped_high, x.kl)
+
+
+def _check_inputs(logprobs, old_logprobs, advantages, completion_mask, cfg, ref_logprobs, correction, max_len) -> None:
+    """Shapes that match ([B, T] and [B]), dr_grpo's max length, a reference when beta > 0, and no NaN pi_old at a
+    loss token."""
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
     named = {"old_logprobs": old_logprobs, "completion_mask": completion_mask}
-    if ref_logprobs is not None:
-        named["ref_logprobs"] = ref_logprobs
-    if correction is not None:
-        named["correction"] = correction
+    named.update({"ref_logprobs": ref_logprobs, "correction": correction})
     for name, tensor in named.items():
-        if tensor.shape != logprobs.shape:
+        if tensor is not None and tensor.shape != logprobs.shape:
             raise ValueError(
                 f"{name} shape {tuple(tensor.shape)} does not match logprobs shape "
                 f"{tuple(logprobs.shape)}; both must be [B, T] over the same completion tokens"
@@ -155,7 +252,7 @@ def grpo_loss(
             f"advantages shape {tuple(advantages.shape)} must be [B] = {tuple(logprobs.shape[:1])} "
             f"for logprobs of shape {tuple(logprobs.shape)}: one advantage per sequence"
         )
-    if cfg.loss_type == "dr_grpo" and max_completion_length is None:
+    if cfg.loss_type == "dr_grpo" and max_len is None:
         raise ValueError(
             "loss_type='dr_grpo' divides by batch * max_completion_length; "
             "pass max_completion_length (rollout.max_tokens)"
@@ -165,90 +262,74 @@ def grpo_loss(
             f"grpo.beta={cfg.beta} but no ref_logprobs were given; pass the reference model's "
             f"logprobs or set grpo.beta=0 to train without a KL penalty"
         )
-
-    mask = completion_mask.bool()
-    mask_f = mask.to(logprobs.dtype)
-    nan_old = int((torch.isnan(old_logprobs) & mask).sum())
+    nan_old = int((torch.isnan(old_logprobs) & completion_mask.bool()).sum())
     if nan_old:
         raise ValueError(
             f"old logprobs contain NaN for {nan_old} tokens; pi_old must be the trainer's own logprobs "
             f"of every sampled token; a NaN must not become ratio 1"
         )
-    # Values at masked positions are ignored; replace them so that NaN cannot leak through 0 * NaN.
-    old_logprobs = torch.where(mask, old_logprobs, logprobs.detach())
-    if ref_logprobs is not None:
-        ref_logprobs = torch.where(mask, ref_logprobs, logprobs.detach())
-    weight = torch.ones_like(logprobs) if correction is None else torch.where(mask, correction.to(logprobs.dtype), 0.0)
-    totals = totals or BatchTotals.of(completion_mask)
-    tokens_per_seq = mask_f.sum(dim=1)  # [B]
-
-    # ---- importance ratio ------------------------------------------------------------------------
-    log_ratio = logprobs - old_logprobs  # [B, T]
-    if cfg.importance_sampling_level == "sequence":
-        log_ratio = ((log_ratio * mask_f).sum(dim=1) / tokens_per_seq.clamp(min=1)).unsqueeze(1)  # [B, 1]
-    ratio = torch.exp(log_ratio).expand_as(logprobs)  # [B, T]
-
-    adv = advantages.to(logprobs.dtype).unsqueeze(1)  # [B, 1]
-    kl = kl_estimators(logprobs, ref_logprobs) if ref_logprobs is not None else None
-    if cfg.loss_type == "gmpo":
-        loss, clipped_low, clipped_high = _gmpo(log_ratio, adv, mask, weight, kl, tokens_per_seq, totals, cfg)
-        return loss, _terms(ratio, clipped_low, clipped_high, kl)
-
-    # ---- the policy term of each token, weighted by the rollout correction -----------------------
-    none = torch.zeros_like(mask)
-    if cfg.loss_type == "cispo":
-        per_token_loss = -torch.clamp(ratio, max=cfg.cispo_max_ratio).detach() * adv * logprobs
-        clipped_low, clipped_high = none, (ratio > cfg.cispo_max_ratio) & (adv > 0)
-    elif cfg.loss_type == "sapo":
-        tau = torch.full_like(adv, cfg.sapo_temperature_neg).masked_fill(adv > 0, cfg.sapo_temperature_pos)
-        per_token_loss = -torch.sigmoid(tau * (ratio - 1)) * (4 / tau) * adv
-        clipped_low, clipped_high = none, none
-    else:  # the clipped surrogate
-        low, high = 1 - cfg.epsilon, 1 + cfg.eps_high
-        per_token_loss = -torch.min(ratio * adv, torch.clamp(ratio, low, high) * adv)
-        clipped_low, clipped_high = (ratio < low) & (adv < 0), (ratio > high) & (adv > 0)
-    per_token_loss = per_token_loss * weight
-
-    # ---- KL penalty (not for tokens the correction masked) ---------------------------------------
-    if cfg.beta > 0:
-        per_token_loss = per_token_loss + cfg.beta * kl[cfg.kl_estimator] * (weight > 0)
-
-    # ---- this batch's share of the whole batch's loss --------------------------------------------
-    masked_loss = per_token_loss * mask_f
-    if cfg.loss_type in ("grpo", "sapo"):
-        per_seq = masked_loss.sum(dim=1) / tokens_per_seq.clamp(min=1)
-        loss = per_seq.sum() / max(totals.sequences, 1)
-    elif cfg.loss_type in ("dapo", "cispo"):
-        loss = masked_loss.sum() / max(totals.tokens, 1)
-    else:  # dr_grpo
-        loss = masked_loss.sum() / (totals.rows * max_completion_length)
-    return loss, _terms(ratio, clipped_low, clipped_high, kl)
 
 
-def _gmpo(
-    log_ratio: Tensor,
-    adv: Tensor,
-    mask: Tensor,
-    weight: Tensor,
-    kl: dict[str, Tensor] | None,
-    tokens_per_seq: Tensor,
-    totals: BatchTotals,
-    cfg: GRPOConfig,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """GMPO's share of the loss (module docstring), and its clip flags. log_ratio is per token ([B, T])."""
+# ------------------------------------------------------------------------ the losses (module docstring)
+
+
+@register_policy_loss("grpo", "dapo", "dr_grpo")
+def clipped_surrogate(x: LossInputs, cfg: GRPOConfig) -> LossOutputs:
+    """PPO's clipped surrogate, -min(r A, clip(r, 1 - epsilon, 1 + eps_high) A); the three differ in aggregation."""
+    low, high = 1 - cfg.epsilon, 1 + cfg.eps_high
+    per_token = -torch.min(x.ratio * x.advantages, torch.clamp(x.ratio, low, high) * x.advantages)
+    clipped_low, clipped_high = (x.ratio < low) & (x.advantages < 0), (x.ratio > high) & (x.advantages > 0)
+    return LossOutputs(_aggregate(x, per_token, cfg), clipped_low, clipped_high)
+
+
+@register_policy_loss("cispo")
+def cispo(x: LossInputs, cfg: GRPOConfig) -> LossOutputs:
+    """-sg(min(r, cispo_max_ratio)) A log pi_theta: a capped token keeps a (scaled) gradient."""
+    per_token = -torch.clamp(x.ratio, max=cfg.cispo_max_ratio).detach() * x.advantages * x.logprobs
+    capped = (x.ratio > cfg.cispo_max_ratio) & (x.advantages > 0)
+    return LossOutputs(_aggregate(x, per_token, cfg), torch.zeros_like(x.mask), capped)
+
+
+@register_policy_loss("sapo")
+def sapo(x: LossInputs, cfg: GRPOConfig) -> LossOutputs:
+    """-sigmoid(tau (r - 1)) 4 / tau A: a soft gate, so nothing counts as clipped."""
+    adv = x.advantages
+    tau = torch.full_like(adv, cfg.sapo_temperature_neg).masked_fill(adv > 0, cfg.sapo_temperature_pos)
+    per_token = -torch.sigmoid(tau * (x.ratio - 1)) * (4 / tau) * adv
+    return LossOutputs(_aggregate(x, per_token, cfg), torch.zeros_like(x.mask), torch.zeros_like(x.mask))
+
+
+@register_policy_loss("gmpo")
+def gmpo(x: LossInputs, cfg: GRPOConfig) -> LossOutputs:
+    """-A exp(mean_t (clipped log r + log w)) per sequence (the geometric mean), plus each sequence's token-mean KL;
+    the mean over the batch's sequences. A token mis masked (w = 0) drops out of the mean."""
+    adv, log_ratio = x.advantages, x.log_ratio
     bound = torch.clamp(log_ratio, -cfg.gmpo_epsilon, cfg.gmpo_eps_high)
     clipped_log_ratio = torch.where(adv > 0, torch.minimum(log_ratio, bound), torch.maximum(log_ratio, bound))
-    kept = mask & (weight > 0)  # tokens in the geometric mean: a token mis masked drops out
+    kept = x.mask & (x.weight > 0)
     n_kept = kept.sum(dim=1)
-    log_w = torch.log(torch.where(kept, weight, torch.ones_like(weight)))
+    log_w = torch.log(torch.where(kept, x.weight, torch.ones_like(x.weight)))
     log_mean = torch.where(kept, clipped_log_ratio + log_w, 0.0).sum(dim=1) / n_kept.clamp(min=1)
     per_seq = torch.where(n_kept > 0, -torch.exp(log_mean) * adv[:, 0], 0.0)  # [B]
     if cfg.beta > 0:
-        per_seq = per_seq + cfg.beta * torch.where(kept, kl[cfg.kl_estimator], 0.0).sum(dim=1) / tokens_per_seq.clamp(
-            min=1
-        )
-    loss = per_seq.sum() / max(totals.sequences, 1)
-    return loss, (log_ratio < -cfg.gmpo_epsilon) & (adv < 0), (log_ratio > cfg.gmpo_eps_high) & (adv > 0)
+        kl = torch.where(kept, x.kl[cfg.kl_estimator], 0.0).sum(dim=1)
+        per_seq = per_seq + cfg.beta * kl / x.tokens_per_seq.clamp(min=1)
+    loss = per_seq.sum() / max(x.totals.sequences, 1)
+    return LossOutputs(loss, (log_ratio < -cfg.gmpo_epsilon) & (adv < 0), (log_ratio > cfg.gmpo_eps_high) & (adv > 0))
+
+
+def _aggregate(x: LossInputs, per_token: Tensor, cfg: GRPOConfig) -> Tensor:
+    """The per-token policy term weighted by the rollout correction, plus beta * KL (not where the correction masked),
+    summed over loss tokens as `cfg.loss_type` aggregates: this batch's share of the whole batch's loss."""
+    per_token = per_token * x.weight
+    if cfg.beta > 0:
+        per_token = per_token + cfg.beta * x.kl[cfg.kl_estimator] * (x.weight > 0)
+    masked = per_token * x.mask.to(x.logprobs.dtype)
+    if cfg.loss_type in ("grpo", "sapo"):  # each sequence's token mean, then the mean over sequences
+        return (masked.sum(dim=1) / x.tokens_per_seq.clamp(min=1)).sum() / max(x.totals.sequences, 1)
+    if cfg.loss_type in ("dapo", "cispo"):  # the mean over all loss tokens
+        return masked.sum() / max(x.totals.tokens, 1)
+    return masked.sum() / (x.totals.rows * x.max_completion_length)  # dr_grpo: over rows * max_completion_length
 
 
 def _terms(ratio: Tensor, clipped_low: Tensor, clipped_high: Tensor, kl: dict[str, Tensor] | None) -> LossTerms:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from trainer.config import RolloutCorrectionConfig
+    from trainer.distributed import World
     from trainer.loss import Correction, LossTerms
 
 METRICS: dict[str, str] = {
@@ -158,16 +159,69 @@ def describe(name: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------
-# How each is computed. Inputs are the whole step's: completions [B], tokens [B, T] with masks [B, T].
+# How each is computed. Inputs are the step's: completions [B], tokens [B, T] with masks [B, T]. The lists are the
+# global batch's (World.gather); the tensors are this process's rows, and a `Tally` reduces their parts over the
+# world's ranks before it divides, so one process and N ranks compute each value by the same line.
 
 
 def _std(values: Sequence[float]) -> float:
     return statistics.stdev(values) if len(values) > 1 else 0.0  # unbiased, as TRL's nanstd
 
 
-def _masked_mean(values: Tensor, mask: Tensor) -> float:
-    n = mask.sum()
-    return float((values * mask).sum() / n) if n > 0 else math.nan
+class Tally:
+    """The parts of a step's tensor metrics on this process's rows — a mean's numerator and denominator, a min's or a
+    max's value and count — reduced over the world's ranks (`World.sums/mins/maxes`, the identity for one process)
+    and only then divided: a mean is sum(numerators) / sum(denominators), NaN over none (or `empty`); a min or max
+    over no values is NaN. Values come out in the order they were added."""
+
+    def __init__(self):
+        self._parts: dict[str, tuple] = {}  # name -> ("mean", numerator, denominator, empty) | ("min"|"max", value, n)
+
+    def mean(self, name: str, numerator, denominator, empty: float = math.nan) -> Tally:
+        self._parts[name] = ("mean", numerator, denominator, empty)
+        return self
+
+    def masked_mean(self, name: str, values: Tensor, mask: Tensor) -> Tally:
+        return self.mean(name, (values * mask).sum(), mask.sum())
+
+    def min(self, name: str, values: Tensor | Sequence[float]) -> Tally:
+        n = _count(values)
+        self._parts[name] = ("min", (values.min() if hasattr(values, "numel") else min(values)) if n else None, n)
+        return self
+
+    def max(self, name: str, values: Tensor | Sequence[float]) -> Tally:
+        n = _count(values)
+        self._parts[name] = ("max", (values.max() if hasattr(values, "numel") else max(values)) if n else None, n)
+        return self
+
+    def values(self, world: World | None = None) -> dict[str, float]:
+        """The global batch's value of each metric: this process's parts reduced over `world`'s ranks."""
+        world = world or _one_process()
+        means = [p for p in self._parts.values() if p[0] == "mean"]
+        extremes = [p for p in self._parts.values() if p[0] != "mean"]
+        sums = iter(world.sums([x for _, num, den, _ in means for x in (num, den)] + [n for _, _, n in extremes]))
+        mins = iter(world.mins([v for kind, v, _ in extremes if kind == "min"]))
+        maxes = iter(world.maxes([v for kind, v, _ in extremes if kind == "max"]))
+        out = {}
+        for name, (kind, *_, empty) in self._parts.items():
+            if kind == "mean":
+                num, den = next(sums), next(sums)
+                out[name] = float(num / den) if den > 0 else empty
+        for name, (kind, *_) in self._parts.items():
+            if kind != "mean":
+                value, n = next(mins if kind == "min" else maxes), next(sums)
+                out[name] = float(value) if n > 0 else math.nan
+        return {name: out[name] for name in self._parts}
+
+
+def _count(values) -> int:
+    return values.numel() if hasattr(values, "numel") else len(values)
+
+
+def _one_process() -> World:
+    from trainer.distributed import World  # torch, loaded only once a tensor metric is computed
+
+    return World()
 
 
 def reward_metrics(
@@ -195,38 +249,32 @@ def completion_metrics(lengths: Sequence[int], finish_reasons: Sequence[str]) ->
     }
 
 
-def update_metrics(terms: LossTerms, loss_mask: Tensor, level: str) -> dict[str, float]:
+def update_metrics(terms: LossTerms, loss_mask: Tensor, level: str, world: World | None = None) -> dict[str, float]:
     """clip_ratio/*, policy_ratio/mean and kl/* of one update over the whole batch (TRL's definitions)."""
     mask = loss_mask.float()
     per_seq = mask.sum(dim=1)
     has = per_seq > 0
-
-    def share(flags: Tensor) -> tuple[float, Tensor]:
-        seq_share = (flags.float() * mask).sum(dim=1)[has] / per_seq[has]  # per completion with loss tokens
+    t = Tally()
+    flags = {"low": terms.clipped_low, "high": terms.clipped_high, "region": terms.clipped_low | terms.clipped_high}
+    shares = {key: (f.float() * mask).sum(dim=1)[has] / per_seq[has] for key, f in flags.items()}  # per completion
+    for key, f in flags.items():
         if level == "sequence":  # one flag per sequence
-            return (float(seq_share.mean()) if seq_share.numel() else math.nan), seq_share
-        return _masked_mean(flags.float(), mask), seq_share
-
-    low, low_seq = share(terms.clipped_low)
-    high, high_seq = share(terms.clipped_high)
-    region, _ = share(terms.clipped_low | terms.clipped_high)
-    m = {
-        "clip_ratio/low_mean": low,
-        "clip_ratio/high_mean": high,
-        "clip_ratio/region_mean": region,
-        "clip_ratio/low_min": float(low_seq.min()) if low_seq.numel() else math.nan,
-        "clip_ratio/high_max": float(high_seq.max()) if high_seq.numel() else math.nan,
-        "policy_ratio/mean": _masked_mean(terms.ratio, mask),
-    }
+            t.mean(f"clip_ratio/{key}_mean", shares[key].sum(), shares[key].numel())
+        else:
+            t.masked_mean(f"clip_ratio/{key}_mean", f.float(), mask)
+    t.min("clip_ratio/low_min", shares["low"]).max("clip_ratio/high_max", shares["high"])
+    t.masked_mean("policy_ratio/mean", terms.ratio, mask)
     if terms.kl is not None:
         for name in ("k1", "k2", "k3"):
-            m[f"kl/{name}"] = _masked_mean(terms.kl[name], mask)
+            t.masked_mean(f"kl/{name}", terms.kl[name], mask)
+    m = t.values(world)
+    if terms.kl is not None:
         m["kl"] = m["kl/k3"]
     return m  # beta = 0: no reference, so no KL is measured and none is reported (as TRL), never a false 0
 
 
-def entropy_metric(entropy: Tensor, loss_mask: Tensor) -> dict[str, float]:
-    return {"entropy": _masked_mean(entropy, loss_mask.float())}
+def entropy_metric(entropy: Tensor, loss_mask: Tensor, world: World | None = None) -> dict[str, float]:
+    return Tally().masked_mean("entropy", entropy, loss_mask.float()).values(world)
 
 
 def sampling_metrics(
@@ -237,32 +285,26 @@ def sampling_metrics(
     corr: Correction,
     cfg: RolloutCorrectionConfig,
     staleness: Sequence[int],
+    world: World | None = None,
 ) -> dict[str, float]:
     """Engine vs trainer: the logprob difference over every completion token the engine gave a logprob for;
     the correction `corr` (loss.rollout_correction over loss_mask): weights, truncated and masked shares over
     loss tokens; `staleness`, each completion's versions behind pi_old."""
     valid = engine_logprobs.isfinite() & token_mask.bool()
-    n_tokens = int(token_mask.sum())
     diff = (old_logprobs - engine_logprobs).abs()[valid]
-    m = {
-        "sampling/frac_logprobs_valid": float(valid.sum()) / max(n_tokens, 1),
-        "sampling/sampling_logp_difference/mean": float(diff.mean()) if diff.numel() else math.nan,
-        "sampling/sampling_logp_difference/max": float(diff.max()) if diff.numel() else math.nan,
-        "sampling/staleness/mean": statistics.fmean(staleness),
-        "sampling/staleness/max": float(max(staleness)),
-    }
+    t = Tally().mean("sampling/frac_logprobs_valid", float(valid.sum()), float(token_mask.sum()), empty=0.0)
+    t.mean("sampling/sampling_logp_difference/mean", diff.sum(), diff.numel())
+    t.max("sampling/sampling_logp_difference/max", diff)
+    t.mean("sampling/staleness/mean", sum(staleness), len(staleness)).max("sampling/staleness/max", staleness)
     scored = loss_mask.bool() & valid
     weights = corr.ratio if cfg.mode == "off" else corr.weight
-    if cfg.level == "sequence":
-        weights = weights[:, 0][scored.any(dim=1)]
-    else:
-        weights = weights[scored]
-    m["sampling/importance_sampling_ratio/min"] = float(weights.min()) if weights.numel() else math.nan
-    m["sampling/importance_sampling_ratio/mean"] = float(weights.mean()) if weights.numel() else math.nan
-    m["sampling/importance_sampling_ratio/max"] = float(weights.max()) if weights.numel() else math.nan
-    m["sampling/truncated_fraction"] = _masked_mean(corr.truncated.float(), loss_mask.float())
-    m["sampling/masked_fraction"] = _masked_mean(corr.masked.float(), loss_mask.float())
-    return m
+    weights = weights[:, 0][scored.any(dim=1)] if cfg.level == "sequence" else weights[scored]
+    t.min("sampling/importance_sampling_ratio/min", weights)
+    t.mean("sampling/importance_sampling_ratio/mean", weights.sum(), weights.numel())
+    t.max("sampling/importance_sampling_ratio/max", weights)
+    t.masked_mean("sampling/truncated_fraction", corr.truncated.float(), loss_mask.float())
+    t.masked_mean("sampling/masked_fraction", corr.masked.float(), loss_mask.float())
+    return t.values(world)
 
 
 def mean_over_updates(per_update: list[dict[str, float]]) -> dict[str, float]:
