@@ -97,8 +97,9 @@ def _pipeline_commands(command) -> None:
 
     p = command(
         "sync",
-        "send what a pipeline run could not: step metrics kept on disk while the MLflow server was "
-        "away, checkpoints the artifact store did not take",
+        "send what a pipeline run could not: the step metrics MLflow lacks (kept on disk while the MLflow server "
+        "was away, or not yet sent when the run was killed), the samples tables, checkpoints the artifact store "
+        "did not take",
     )
     p.add_argument("run_id", metavar="RUN_ID", help="the pipeline run (its directory is <project_dir>/runs/RUN_ID)")
     p.add_argument("--project-dir", default=".ballast", help="the project folder the run was made in")

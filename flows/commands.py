@@ -89,8 +89,8 @@ def _check_compute(spec) -> None:
 def _dryrun_compute(spec) -> int:
     """`ballast run SPEC --dryrun`: the SkyPilot task of the run's stage node, validated by SkyPilot; nothing runs."""
     from infra.compute import ComputeError
-    from tasks.record import tracking_uri
     from tasks.remote import plan_skypilot
+    from tasks.tracking import tracking_uri
 
     if spec.infra.compute != "skypilot":
         raise UserError(
@@ -144,7 +144,7 @@ def _check_fork(spec: ExperimentSpec) -> None:
     if spec.fork.run_id is None and spec.fork.checkpoint is None:
         return
     from tasks.fork import ForkError, resolve_fork
-    from tasks.record import Tracking
+    from tasks.tracking import Tracking
 
     try:
         resolve_fork(spec, Tracking(spec).checkpoint_prefix)
@@ -261,7 +261,7 @@ def _check_store(spec: ExperimentSpec) -> None:
     credentials 2)."""
     from infra.store import BucketNotFound, StoreUnavailable
     from tasks.checkpoint import reachable_store
-    from tasks.record import store_uri
+    from tasks.tracking import store_uri
 
     try:
         reachable_store(store_uri(spec))
@@ -271,8 +271,8 @@ def _check_store(spec: ExperimentSpec) -> None:
 
 def _spec_file_of_run(given: str, spec_path: str | None, project_dir: str) -> tuple[str, Path]:
     """(the run's full id, its spec.yaml) for `--resume` given a run id, a run name or the short id in a name."""
-    from tasks.record import Tracking
     from tasks.spec import load_spec
+    from tasks.tracking import Tracking
 
     probe = (
         load_spec(spec_path) if spec_path else load_spec({"model": {"name_or_path": "-"}, "project_dir": project_dir})
@@ -290,7 +290,7 @@ def _spec_file_of_run(given: str, spec_path: str | None, project_dir: str) -> tu
 
 def _finished(spec: ExperimentSpec, run_id: str) -> str | None:
     """What to say instead of resuming a run that already finished (None: it did not)."""
-    from tasks.record import Tracking
+    from tasks.tracking import Tracking
 
     tags = Tracking(spec).tags(run_id)
     if tags.get("ballast.status") not in ("finished", "collapsed", "probe_failed", "pruned"):
@@ -411,7 +411,8 @@ def _train_fork(spec: ExperimentSpec):
 
 
 def cmd_sync(args) -> int:
-    """Send what a pipeline run could not: step metrics kept while MLflow was away, checkpoints not uploaded."""
+    """Send what a pipeline run could not: the step metrics MLflow lacks (kept while it was away, or written and not
+    yet sent when the run was killed) up to the newest checkpoint, the samples tables, checkpoints not uploaded."""
     from tasks.spec import load_spec
 
     run_dir = Path(args.project_dir).resolve() / "runs" / args.run_id
@@ -422,12 +423,12 @@ def cmd_sync(args) -> int:
         )
     spec = load_spec(run_dir / "spec.yaml")
     from tasks.checkpoint import checkpoint_prefix, list_checkpoints, reachable_store, sync_checkpoints
-    from tasks.metrics_sink import PENDING, send_pending
-    from tasks.record import Tracking, store_uri
+    from tasks.record import sync_run
+    from tasks.tracking import Tracking, store_uri
 
     tracking = Tracking(spec)
-    sent = send_pending(tracking.client, run_dir / PENDING)
-    print(f"metrics: {sent} sent to {tracking.uri}" if sent else "metrics: none waiting")
+    sent = sync_run(tracking, spec, args.run_id, run_dir)
+    print(f"metrics: {sent} sent to {tracking.uri}" if sent else "metrics: none missing")
     if list_checkpoints(run_dir / "checkpoints"):
         store, prefix = reachable_store(store_uri(spec)), checkpoint_prefix(args.run_id)
         stored = sync_checkpoints(store, prefix, run_dir / "checkpoints", spec.checkpoint.keep_last, args.run_id)
@@ -535,8 +536,8 @@ def cmd_compare(args) -> int:
     probe_cfg = model_cfg = lora_cfg = None
     tracking = args.tracking_uri
     if args.spec:
-        from tasks.record import tracking_uri
         from tasks.spec import load_spec
+        from tasks.tracking import tracking_uri
 
         spec = load_spec(args.spec, args.set)
         probe_cfg, model_cfg, lora_cfg = spec.probe, spec.model, spec.lora

@@ -45,7 +45,7 @@ from tasks.eval import eval_checkpoint
 from tasks.fork import fork
 from tasks.metrics_sink import TrackingUnavailable
 from tasks.probe import probe_checkpoint, run_probe_args
-from tasks.record import RunRecorder, StageError, Tracking, store_uri
+from tasks.record import RunRecorder, StageError
 from tasks.remote import (
     Node,
     NodeChoice,
@@ -58,6 +58,7 @@ from tasks.remote import (
 )
 from tasks.spec import ExperimentSpec, SpecError, load_spec
 from tasks.summary import PipelineResult
+from tasks.tracking import Tracking, store_uri
 from tasks.train import RunInterrupted, run_training
 
 NO_RESULT = dict(cache_policy=NO_CACHE, persist_result=False)

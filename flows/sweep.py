@@ -82,10 +82,11 @@ from tasks.checkpoint import CheckpointUploader
 from tasks.eval import eval_baseline
 from tasks.fork import fork
 from tasks.metrics_sink import TrackingUnavailable
-from tasks.record import RunRecorder, SweepRecorder, store_uri
+from tasks.record import RunRecorder, store_uri
 from tasks.remote import LineRelay, NodeChoice, node_name, node_spec, write_node_spec
 from tasks.spec import ExperimentSpec, validate_spec
 from tasks.summary import PipelineResult
+from tasks.sweep_record import SweepRecorder
 from tasks.train import Callbacks, ConcurrentTraining, RunInterrupted, TrainJob, TrainOutcome
 
 CLI = "import sys; from flows.cli import main; sys.exit(main())"

@@ -1,18 +1,25 @@
-"""MLflow lineage: the one place that writes to (and reads lineage from) MLflow. Stages return typed results;
-the recorder turns them into runs, params, metrics, tags and artifacts.
+"""The recorder: stage results into MLflow records — the one place that writes a run to MLflow. Stages return typed
+results; the recorder turns them into runs, params, metrics, tags, tables and artifacts. The tracking store and
+what is read back from it are tasks/tracking.py's; a sweep's parent and trial verdicts, tasks/sweep_record.py's.
 
-* `Tracking` — the tracking store of a spec (SQLite under the project folder by default, `tracking.uri` for a
-  team server) and what can be read back: a run's checkpoint location, its fork source, its spec, the chain.
 * `RunRecorder` — one MLflow run per pipeline run with a nested run per stage (`stage(name)`); params are the
   flattened spec (secrets redacted by tasks/spec.py), step metrics go through `MetricsSink` (tasks/metrics_sink.py:
-  a background thread, in batches, kept on disk while the server is away), `record(result)` logs a stage's result
-  (what the model wrote, too, as MLflow tables: samples.json, eval_samples.json, probe_samples.json),
-  `finish()` the report and the verdict, `fail()` and `interrupted()` (a signal: KILLED) how it ended otherwise.
-  An http(s) tracking server must answer at start (infra/mlflow_server.py).
-* `SweepRecorder` — a sweep's parent run and the verdict of each trial on its child run.
+  a background thread, in batches, kept on disk while the server is away, each (metric, step) once across kills
+  and resumes), `record(result)` logs a stage's result, `finish()` the report and the verdict, `fail()` and
+  `interrupted()` (a signal: KILLED) how it ended otherwise.
+* `record(result)` looks the result's type up in `RECORDERS`, a registry filled by `@records(Type)` below — one
+  function per result (ForkSource, TrainOutcome, CheckpointSet, ProbeReport, EvalResult). A registry, not a
+  `record` method on each result: the results stay plain data of their stages, which know nothing of MLflow, and
+  this module stays the one that writes to it.
+* The run directory is the record and MLflow mirrors it, so recording anything again — a resume repeats the stages
+  after training — leaves it once: metrics logged to the pipeline run outside the sink are sent only where MLflow
+  lacks the (metric, step) (`log_metrics`), and what the model wrote — samples.json, eval_samples.json,
+  probe_samples.json — is put whole as an MLflow table (`put_table`) from the run directory's files (the final
+  eval's rows are added to eval_samples.jsonl first), replacing what the table held (MLflow's `log_table` appends).
+* `record_regression` — a regression comparison (tasks/regression.py) as one MLflow run; `sync_run` — what
+  `ballast sync` sends: the metrics MLflow lacks (tasks/metrics_sink.py `sync_record`) and the tables.
 
-What the MLflow UI shows: the experiment is marked a model-training one (`mlflow.experimentKind`) and every link
-Ballast prints opens the UI in that mode; runs carry MLflow's own source, commit and user tags and a description
+What the MLflow UI shows: runs carry MLflow's own source, commit and user tags and a description
 (`mlflow.note.content`) that says what the run was and how it ended; a pipeline run is named `<spec>-<run id[:8]>`,
 its stage runs `<stage> · <that name>`. Run facts with long values (paths, URIs, the full commit) are params under
 `ballast.` (output_dir, checkpoint_prefix, fork_checkpoint, base_model, code_commit, model_uri), so the run page's
@@ -31,28 +38,29 @@ list shows (a `ballast.failed_stage` tag names the stage a crash came from).
 
 from __future__ import annotations
 
-import getpass
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import mlflow
-from mlflow.entities import Param
-from mlflow.tracking import MlflowClient
+from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
 
-from infra.mlflow_server import TrackingUnavailable, check_tracking
+from infra.mlflow_server import TrackingUnavailable
 from infra.store import open_store
 from tasks.checkpoint import CheckpointSet, checkpoint_prefix
+from tasks.compare import Comparison
 from tasks.eval import EvalResult
 from tasks.fork import ForkSource
-from tasks.metrics_sink import PENDING, MetricsSink, guarded
+from tasks.metrics_sink import PENDING, RECORD, Held, MetricsSink, now_ms, step_metrics, sync_record
 from tasks.probe_report import ProbeReport
+from tasks.regression import RegressionResult
 from tasks.report import plot_history, write_run_report
-from tasks.spec import ExperimentSpec, TrackingConfig, dump_spec, flat_params, spec_hash
+from tasks.spec import ExperimentSpec, dump_spec, flat_params, spec_hash
 from tasks.summary import PipelineResult, RunStatus, StopReason
+from tasks.tracking import GAIN_TAG, SWEPT_TAG, TAG, Tracking, run_name, store_uri, user_name
 from tasks.train import RunInterrupted, TrainOutcome
 from trainer.checkpoint import Checkpoint, code_ref, list_checkpoints, step_dir_name
 from trainer.data import data_fingerprint, load_datasets
@@ -60,18 +68,8 @@ from trainer.loop import Callbacks
 from trainer.metrics import METRICS  # noqa: F401  (the glossary of what is logged: `ballast metrics`)
 from trainer.samples import EVAL_SAMPLES_FILE, SAMPLES_FILE, append_rows, read_rows
 
-if TYPE_CHECKING:  # tasks/compare.py and tasks/regression.py import this module: types only, not imports
-    from tasks.compare import Comparison
-    from tasks.regression import RegressionResult
-
-TAG = "ballast."
-EXPERIMENT_KIND = "custom_model_development"  # mlflow.experimentKind: a model-training experiment, not GenAI
-UI_MODE = "workflowType=machine_learning"  # MLflow 3's UI opens in its GenAI mode unless a link asks for this
-DEFAULT_UI_URL = "http://127.0.0.1:5000"  # where `ballast ui` serves the embedded store
 SOURCE_NAME = "flows/pipeline.py:ballast_pipeline"
 LONG_FACTS = ("code_commit", "base_model", "output_dir", "checkpoint_prefix", "fork_checkpoint")
-SWEPT_TAG = "swept"  # a sweep trial's run: the comma-joined swept spec fields, its only params
-GAIN_TAG = "gain_metric"  # a sweep trial's run: its gain over the baseline, Gain/<objective> (NaN until it ends)
 # A run that did not end well is not FINISHED in MLflow (the runs table shows the status, not the tags): the health
 # gate stopped it or the probe failed it (FAILED), or a sweep's pruner stopped it on purpose (KILLED).
 MLFLOW_STATUS: dict[RunStatus, str] = {
@@ -100,153 +98,6 @@ HEADLINE_KEYS = {
 SAMPLES_TABLE, EVAL_SAMPLES_TABLE, PROBE_SAMPLES_TABLE = "samples.json", "eval_samples.json", "probe_samples.json"
 
 
-def tracking_uri(spec) -> str:
-    if spec.tracking.uri:
-        return spec.tracking.uri
-    db = Path(spec.project_dir).resolve() / "mlflow.db"
-    db.parent.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{db}"
-
-
-def default_tracking_uri() -> str:
-    """The embedded store of the default project folder (.ballast/ under the working directory)."""
-    return f"sqlite:///{Path('.ballast').resolve() / 'mlflow.db'}"
-
-
-def store_uri(spec) -> str:
-    return spec.storage.uri or str(Path(spec.project_dir).resolve() / "artifacts")
-
-
-# ── the tracking store, and lineage read back ──────────────────────────────────────────────────────
-
-
-class Tracking:
-    """The MLflow tracking store and experiment of a spec."""
-
-    def __init__(self, spec):
-        self.spec, self.uri = spec, tracking_uri(spec)
-        check_tracking(self.uri, spec.tracking)  # a server that is not there fails here, in seconds, with one line
-        mlflow.set_tracking_uri(self.uri)
-        self.client = guarded(MlflowClient(self.uri), self.uri)
-        experiment = self.client.get_experiment_by_name(spec.tracking.experiment)
-        if experiment is None:
-            # a database store (SQLite, PostgreSQL) keeps artifacts in the project folder, not in ./mlruns of
-            # whatever directory the command ran in; a tracking server decides for itself
-            server = self.uri.startswith(("http://", "https://", "databricks"))
-            location = None if server else (Path(spec.project_dir).resolve() / "mlruns").as_uri()
-            self.experiment_id = self.client.create_experiment(
-                spec.tracking.experiment, artifact_location=location, tags={"mlflow.experimentKind": EXPERIMENT_KIND}
-            )
-        else:
-            self.experiment_id = experiment.experiment_id
-            if "mlflow.experimentKind" not in experiment.tags:  # made before Ballast marked its experiments
-                self.client.set_experiment_tag(self.experiment_id, "mlflow.experimentKind", EXPERIMENT_KIND)
-
-    def ui_url(self) -> str:
-        """The MLflow UI that links point at: tracking.ui_url, else the tracking server, else `ballast ui`'s address."""
-        if self.spec.tracking.ui_url:
-            return self.spec.tracking.ui_url.rstrip("/")
-        return self.uri.rstrip("/") if self.uri.startswith(("http://", "https://")) else DEFAULT_UI_URL
-
-    def run_url(self, run_id: str) -> str:
-        """The run's page in the MLflow UI, in its model-training mode."""
-        return f"{self.ui_url()}/#/experiments/{self.experiment_id}/runs/{run_id}?{UI_MODE}"
-
-    def experiment_url(self) -> str:
-        return f"{self.ui_url()}/#/experiments/{self.experiment_id}/runs?{UI_MODE}"
-
-    def find_run(self, run_id: str):
-        try:
-            return self.client.get_run(run_id)
-        except Exception:
-            raise ValueError(
-                f"MLflow run {run_id!r} was not found in {self.uri}; check the run id (ballast ui lists "
-                "runs) and tracking.uri"
-            ) from None
-
-    def resolve_run_id(self, given: str) -> str:
-        """The full run id of `given`: a run id, a run's name (`quickstart-7967ed74`) or the 8-character id in it."""
-        try:
-            return self.client.get_run(given).info.run_id
-        except Exception:
-            pass
-        quoted = given.replace("'", "")
-        found = {
-            r.info.run_id: r.info.run_name
-            for name_filter in (f"attributes.run_name = '{quoted}'", f"attributes.run_name LIKE '%-{quoted}'")
-            for r in self.client.search_runs([self.experiment_id], name_filter, max_results=10)
-            if " · " not in (r.info.run_name or "")  # a stage's run ("train · quickstart-7967ed74") is not the run
-        }
-        if len(found) == 1:
-            return next(iter(found))
-        if found:
-            raise ValueError(f"{given!r} names {len(found)} runs ({', '.join(sorted(found.values()))}); give a run id")
-        raise ValueError(
-            f"MLflow run {given!r} was not found in {self.uri}; give the run id or run name `ballast run` printed "
-            "(ballast ui lists runs) and check tracking.uri"
-        )
-
-    def tags(self, run_id: str) -> dict[str, str]:
-        """The run's facts: its params and tags (a run's long-valued facts are params, LONG_FACTS)."""
-        data = self.find_run(run_id).data
-        return {**data.params, **data.tags}
-
-    def checkpoint_prefix(self, run_id: str) -> str:
-        prefix = self.tags(run_id).get(TAG + "checkpoint_prefix")
-        if not prefix:
-            raise ValueError(
-                f"fork.run_id={run_id}: that MLflow run has no checkpoints recorded (param "
-                f"{TAG}checkpoint_prefix); fork a Ballast pipeline run, or give fork.checkpoint"
-            )
-        return prefix
-
-    def fork_source_of(self, run_id: str) -> ForkSource:
-        """The fork source a run started from, as recorded (for a resume; it was verified when the run began)."""
-        tags = self.tags(run_id)
-        step = tags.get(TAG + "parent_step")
-        return ForkSource(
-            checkpoint_uri=tags.get(TAG + "fork_checkpoint"),
-            parent_run_id=tags.get(TAG + "parent_run_id"),
-            parent_step=int(step) if step and step != "None" else None,
-        )
-
-    def output_dir_of(self, run_id: str) -> Path | None:
-        out = self.tags(run_id).get(TAG + "output_dir")
-        return Path(out) if out else None
-
-    def chain(self, run_id: str) -> list[dict]:
-        """[this run, its parent, its parent's parent, ...] as {run_id, parent_step, fork_checkpoint}."""
-        out, seen = [], set()
-        while run_id and run_id not in seen:
-            seen.add(run_id)
-            tags = self.tags(run_id)
-            out.append(
-                {
-                    "run_id": run_id,
-                    "parent_step": tags.get(TAG + "parent_step"),
-                    "fork_checkpoint": tags.get(TAG + "fork_checkpoint"),
-                }
-            )
-            run_id = tags.get(TAG + "parent_run_id")
-        return out
-
-    def set_tags(self, run_id: str, tags: dict) -> None:
-        for k, v in tags.items():
-            if v is not None:
-                self.client.set_tag(run_id, k if k.startswith((TAG, "mlflow.", "prefect.")) else TAG + k, str(v))
-
-    def log_params(self, run_id: str, params: dict[str, str]) -> None:
-        items = [Param(k, v) for k, v in params.items()]
-        for i in range(0, len(items), 100):
-            self.client.log_batch(run_id, params=items[i : i + 100])
-
-    def create_run(self, name: str, parent_run_id: str | None = None, tags: dict | None = None) -> str:
-        run_tags = {"mlflow.runName": name, **(tags or {})}
-        if parent_run_id:
-            run_tags["mlflow.parentRunId"] = parent_run_id
-        return self.client.create_run(self.experiment_id, tags=run_tags).info.run_id
-
-
 # ── one pipeline run ───────────────────────────────────────────────────────────────────────────────
 
 
@@ -260,13 +111,18 @@ class RunRecorder:
         self.cache_dir = Path(spec.project_dir).resolve() / "cache" / run_id
         self.store = open_store(store_uri(spec))
         self.checkpoint_prefix = checkpoint_prefix(run_id)
-        self.metrics = MetricsSink(
-            self.client, run_id, spec.tracking.log_every, spool=self.output_dir / PENDING, replayed=resumed
+        self.metrics = MetricsSink(  # a resumed run's first sends what its record holds and MLflow lacks
+            self.client,
+            run_id,
+            spec.tracking.log_every,
+            spool=self.output_dir / PENDING,
+            record=self.output_dir if resumed else None,
+            copies=headline,
         )
         self.headline = Headline(self.metrics)  # a trainer callback, beside `metrics`
         self.prefect_url: str | None = None  # the Prefect flow run recording this attempt, linked in the description
         self.started = time.perf_counter()
-        self._stage_run: str | None = None
+        self.stage_run: str | None = None  # the MLflow run of the stage being recorded (`stage`)
         self.flat_stages = False  # a sweep trial's run: stages record onto the run itself (start())
         self.probe_reports: list[ProbeReport] = []
         self.name = self.client.get_run(run_id).info.run_name or run_id
@@ -351,7 +207,7 @@ class RunRecorder:
                 "mlflow.source.git.commit": self.code["commit"],
                 "mlflow.source.name": SOURCE_NAME,
                 "mlflow.source.type": "LOCAL",
-                "mlflow.user": _user(),
+                "mlflow.user": user_name(),
                 "mlflow.note.content": self.note("**Running.**"),
                 **(extra or {}),
             },
@@ -463,26 +319,26 @@ class RunRecorder:
             with self._flat_stage(name):
                 yield self
             return
-        self._stage_run = self.tracking.create_run(f"{name} · {self.name}", self.run_id, {"ballast.stage": name})
+        self.stage_run = self.tracking.create_run(f"{name} · {self.name}", self.run_id, {"ballast.stage": name})
         try:
             yield self
         except TrackingUnavailable:
             raise  # nothing can be recorded while the server is away; the flow says what to do
         except BaseException as e:
             interrupted = isinstance(e, RunInterrupted) or not isinstance(e, Exception)  # a signal, not an error
-            self.client.set_tag(self._stage_run, "ballast.error", f"{type(e).__name__}: {e}"[:4000])
-            self.client.set_terminated(self._stage_run, "KILLED" if interrupted else "FAILED")
+            self.client.set_tag(self.stage_run, "ballast.error", f"{type(e).__name__}: {e}"[:4000])
+            self.client.set_terminated(self.stage_run, "KILLED" if interrupted else "FAILED")
             if interrupted:
                 raise
             raise StageError(name, e) from e
         else:
-            self.client.set_terminated(self._stage_run, "FINISHED")
+            self.client.set_terminated(self.stage_run, "FINISHED")
         finally:
-            self._stage_run = None
+            self.stage_run = None
 
     @contextmanager
     def _flat_stage(self, name: str):
-        self._stage_run = self.run_id
+        self.stage_run = self.run_id
         try:
             yield self
         except TrackingUnavailable:
@@ -494,89 +350,40 @@ class RunRecorder:
                 raise
             raise StageError(name, e) from e
         finally:
-            self._stage_run = None
+            self.stage_run = None
 
-    def _runs(self, sid: str) -> list[str]:
+    @property
+    def stage_and_run(self) -> list[str]:
         """The stage run and the pipeline run, once each (one and the same for a sweep trial's flat stages)."""
-        return list(dict.fromkeys((sid, self.run_id)))
+        return list(dict.fromkeys((self.stage_run, self.run_id)))
 
     def record(self, result) -> None:
-        """Log one stage's result to its stage run (and what belongs there to the pipeline run)."""
-        sid = self._stage_run
-        if isinstance(result, ForkSource):
-            self.tracking.set_tags(
-                sid,
-                {
-                    "source": result.checkpoint_uri or f"base model {self.spec.model.name_or_path}",
-                    "parent_run_id": result.parent_run_id,
-                    "parent_step": result.parent_step,
-                },
-            )
-            if result.max_logprob_diff is not None:
-                self.client.log_metric(sid, "fork/max_logprob_diff", result.max_logprob_diff)
-        elif isinstance(result, TrainOutcome):
-            self.metrics.close()
-            if self.metrics.mismatches:  # a resume that did not replay exactly: the values recorded first are kept
-                shown = "; ".join(self.metrics.mismatches[:3])
-                self.tracking.set_tags(self.run_id, {"resume_mismatch": f"{len(self.metrics.mismatches)}: {shown}"})
-            self.client.log_metric(sid, "trainer_seconds", result.trainer_seconds)
-            self.client.log_metric(sid, "last_step", result.last_step)
-            if result.stopped:
-                self.tracking.set_tags(self.run_id, {"stop_reason": str(StopReason.parse(result.stopped))})
-            if not result.interrupted:  # an interrupted run's are logged, all of them, when it is resumed
-                self._log_samples(sid, read_rows(self.output_dir / SAMPLES_FILE), SAMPLES_TABLE)
-                self._log_samples(sid, read_rows(self.output_dir / EVAL_SAMPLES_FILE), EVAL_SAMPLES_TABLE)
-        elif isinstance(result, CheckpointSet):
-            path = self.output_dir / "checkpoints.json"
-            path.write_text(json.dumps({str(k): v for k, v in result.uris.items()}, indent=1))
-            for run_id in self._runs(sid):
-                self.client.log_artifact(run_id, str(path))
-        elif isinstance(result, ProbeReport):
-            self._record_probe(sid, result)
-        elif isinstance(result, EvalResult):
-            in_training = self._evaluated_in_training(result.step)
-            for k, v in result.metrics.items():
-                if sid != self.run_id or not in_training:
-                    self.client.log_metric(sid, k, v, step=result.step)
-            if sid != self.run_id and not in_training:  # the final eval, at the run's last step
-                for k, v in result.metrics.items():
-                    self.client.log_metric(self.run_id, k, v, step=result.step)
-            if not in_training:
-                for k, v in headline(result.metrics).items():
-                    self.client.log_metric(self.run_id, k, v, step=result.step)
-            written = [r for r in read_rows(self.output_dir / EVAL_SAMPLES_FILE) if r.get("step") == result.step]
-            if not all(row in written for row in result.samples):  # a resume that repeats the final eval: once
-                self._log_samples(sid, result.samples, EVAL_SAMPLES_TABLE)
-                append_rows(self.output_dir / EVAL_SAMPLES_FILE, result.samples)  # the run directory has them too
-        else:
-            raise TypeError(f"no recorder for a {type(result).__name__}")
+        """Log one stage's result to its stage run (and what belongs there to the pipeline run): the recorder
+        RECORDERS holds for its type."""
+        kind = next((t for t in type(result).__mro__ if t in RECORDERS), None)
+        if kind is None:
+            raise TypeError(f"no recorder for a {type(result).__name__}: register one with @records in tasks/record.py")
+        RECORDERS[kind](self, result)
 
-    def _log_samples(self, sid: str, rows: list[dict], table: str) -> None:
-        """Sample rows (trainer/samples.py) as an MLflow table on the stage run and the pipeline run; logging to a
-        table that exists appends to it."""
-        if not rows:
-            return
-        columns = list(dict.fromkeys(key for row in rows for key in row))
-        data = {column: [row.get(column) for row in rows] for column in columns}
-        for run_id in self._runs(sid):
-            self.client.log_table(run_id, data, table)
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+        """`metrics` at `step` on `run_id` in one batch; on the pipeline run only the ones MLflow lacks there (a
+        resume records the stages after training again)."""
+        batch = step_metrics(step, metrics, now_ms())
+        if run_id == self.run_id:
+            batch = Held(self.client, run_id).lacks(batch)
+        if batch:
+            self.client.log_batch(run_id, metrics=batch)
 
-    def _evaluated_in_training(self, step: int) -> bool:
-        return any(m.step == step for m in self.client.get_metric_history(self.run_id, "eval/reward"))
+    def put_tables(self, tables: dict[str, list[dict]], run_ids: list[str] | None = None) -> None:
+        """Each table's rows whole onto the stage run and the pipeline run (or `run_ids`), in place of what it held."""
+        for run_id in run_ids or self.stage_and_run:
+            for table, rows in tables.items():
+                put_table(self.client, run_id, rows, table)
 
-    def _record_probe(self, sid: str, report: ProbeReport) -> None:
-        where = self.output_dir / "probe" / step_dir_name(report.step)
-        report.write_json(where / "probe_report.json")
-        report.write_html(where / "probe_report.html")
-        for run_id in self._runs(sid):
-            self.client.log_artifacts(run_id, str(where), f"probe/{step_dir_name(report.step)}")
-            self.client.log_metric(run_id, "probe/malformed_rate", report.malformed_rate, step=report.step)
-        self._log_samples(sid, report.sample_rows(), PROBE_SAMPLES_TABLE)
-        self.client.set_tag(sid, "ballast.probe_passed", str(report.passed))
-        self.tracking.set_tags(
-            self.run_id, {"probe_passed": report.passed, "probe_malformed_rate": f"{report.malformed_rate:.4f}"}
-        )
-        self.probe_reports.append(report)
+    def evaluated_in_training(self, step: int) -> bool:
+        """Whether the record holds an in-training eval at `step` (its eval/* metrics are then already logged)."""
+        rows = read_rows(self.output_dir / RECORD)
+        return any(row["step"] == step and any(k.startswith("eval/") for k in row) for row in rows)
 
     def finish(
         self, outcome: TrainOutcome, checkpoints: CheckpointSet, evaluation: EvalResult | None
@@ -672,14 +479,15 @@ def headline(metrics: dict[str, float]) -> dict[str, float]:
 
 
 class Headline(Callbacks):
-    """A trainer callback that sends each step's headline copies to the run's metrics sink."""
+    """A trainer callback that sends each step's headline copies to the run's metrics sink, on the steps whose
+    metrics it sends (the same copies a resumed sink sends from the record: its `copies`)."""
 
     def __init__(self, sink: MetricsSink):
         self.sink = sink
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
-        if metrics := headline(metrics):
-            self.sink.on_step(step, metrics)
+        if (copies := headline(metrics)) and self.sink.takes(step, metrics):
+            self.sink.put(step, copies)
 
 
 class StageError(RuntimeError):
@@ -704,16 +512,114 @@ def _manifest_digest(checkpoint: Checkpoint) -> str:
     return checkpoint.manifest_sha256()[:16]
 
 
-def run_name(spec_name: str, run_id: str) -> str:
-    """A pipeline run's name in MLflow and Prefect: the spec's name and the run id's first 8 characters."""
-    return f"{spec_name}-{run_id[:8]}"
+# ── what each stage result records ─────────────────────────────────────────────────────────────────
+
+RECORDERS: dict[type, Callable[[RunRecorder, object], None]] = {}
 
 
-def _user() -> str:
-    try:
-        return getpass.getuser()
-    except Exception:  # no user name in this environment (some containers)
-        return "unknown"
+def records(kind: type):
+    """Registers the function that records a stage result of type `kind` (RunRecorder.record looks it up)."""
+
+    def register(fn):
+        RECORDERS[kind] = fn
+        return fn
+
+    return register
+
+
+@records(ForkSource)
+def record_fork(run: RunRecorder, source: ForkSource) -> None:
+    """Where the run started, on the fork stage's run, and how closely the forked model reproduced its source."""
+    run.tracking.set_tags(
+        run.stage_run,
+        {
+            "source": source.checkpoint_uri or f"base model {run.spec.model.name_or_path}",
+            "parent_run_id": source.parent_run_id,
+            "parent_step": source.parent_step,
+        },
+    )
+    if source.max_logprob_diff is not None:
+        run.log_metrics(run.stage_run, {"fork/max_logprob_diff": source.max_logprob_diff})
+
+
+@records(TrainOutcome)
+def record_training(run: RunRecorder, outcome: TrainOutcome) -> None:
+    """The step metrics' last batch (and a resume's mismatches), the stage's figures, why it stopped, and the
+    samples tables as the run directory holds them."""
+    run.metrics.close()
+    if run.metrics.mismatches:  # a resume that did not replay exactly: the values recorded first are kept
+        shown = "; ".join(run.metrics.mismatches[:3])
+        run.tracking.set_tags(run.run_id, {"resume_mismatch": f"{len(run.metrics.mismatches)}: {shown}"})
+    run.log_metrics(run.stage_run, {"trainer_seconds": outcome.trainer_seconds, "last_step": outcome.last_step})
+    if outcome.stopped:
+        run.tracking.set_tags(run.run_id, {"stop_reason": str(StopReason.parse(outcome.stopped))})
+    run.put_tables(
+        {
+            SAMPLES_TABLE: read_rows(run.output_dir / SAMPLES_FILE),
+            EVAL_SAMPLES_TABLE: read_rows(run.output_dir / EVAL_SAMPLES_FILE),
+        }
+    )
+
+
+@records(CheckpointSet)
+def record_checkpoints(run: RunRecorder, checkpoints: CheckpointSet) -> None:
+    """Where each checkpoint is stored, as checkpoints.json on the stage run and the pipeline run."""
+    path = run.output_dir / "checkpoints.json"
+    path.write_text(json.dumps({str(k): v for k, v in checkpoints.uris.items()}, indent=1))
+    for run_id in run.stage_and_run:
+        run.client.log_artifact(run_id, str(path))
+
+
+@records(ProbeReport)
+def record_probe(run: RunRecorder, report: ProbeReport) -> None:
+    """The probe report (JSON and page) of one checkpoint, its malformed rate, its samples, whether it passed."""
+    where = run.output_dir / "probe" / step_dir_name(report.step)
+    report.write_json(where / "probe_report.json")
+    report.write_html(where / "probe_report.html")
+    run.probe_reports.append(report)
+    for run_id in run.stage_and_run:
+        run.client.log_artifacts(run_id, str(where), f"probe/{step_dir_name(report.step)}")
+        run.log_metrics(run_id, {"probe/malformed_rate": report.malformed_rate}, report.step)
+    run.put_tables({PROBE_SAMPLES_TABLE: [row for probed in run.probe_reports for row in probed.sample_rows()]})
+    run.client.set_tag(run.stage_run, "ballast.probe_passed", str(report.passed))
+    run.tracking.set_tags(
+        run.run_id, {"probe_passed": report.passed, "probe_malformed_rate": f"{report.malformed_rate:.4f}"}
+    )
+
+
+@records(EvalResult)
+def record_eval(run: RunRecorder, result: EvalResult) -> None:
+    """The final checkpoint's held-out scores: on the eval stage's run, and on the pipeline run unless an
+    in-training eval at that step put them there; its samples into the run directory, then to MLflow."""
+    eval_samples = run.output_dir / EVAL_SAMPLES_FILE
+    written = [row for row in read_rows(eval_samples) if row.get("step") == result.step]
+    if not all(row in written for row in result.samples):  # a resume that repeats the final eval: once
+        append_rows(eval_samples, result.samples)
+    if run.stage_run != run.run_id:
+        run.log_metrics(run.stage_run, result.metrics, result.step)
+    if not run.evaluated_in_training(result.step):  # the final eval, at the run's last step
+        run.log_metrics(run.run_id, {**result.metrics, **headline(result.metrics)}, result.step)
+    run.put_tables({EVAL_SAMPLES_TABLE: result.samples}, [run.stage_run])
+    run.put_tables({EVAL_SAMPLES_TABLE: read_rows(eval_samples)}, [run.run_id])
+
+
+def put_table(client, run_id: str, rows: list[dict], table: str) -> None:
+    """`rows` (trainer/samples.py) as the MLflow table `table` of `run_id`, replacing the one it held: the file
+    MlflowClient.log_table writes (pandas' split JSON) and its mark in `mlflow.loggedArtifacts` — but log_table
+    appends to a table that exists, and a table here mirrors the run directory's rows, each once."""
+    if not rows:
+        return
+    import pandas as pd
+
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    frame = pd.DataFrame({column: [row.get(column) for row in rows] for column in columns})
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / table
+        frame.to_json(path, orient="split", index=False, date_format="iso")
+        client.log_artifact(run_id, str(path), str(Path(table).parent) if Path(table).parent.name else None)
+    logged = json.loads(client.get_run(run_id).data.tags.get(MLFLOW_LOGGED_ARTIFACTS, "[]"))
+    if {"path": table, "type": "table"} not in logged:
+        client.set_tag(run_id, MLFLOW_LOGGED_ARTIFACTS, json.dumps([*logged, {"path": table, "type": "table"}]))
 
 
 # ── a regression comparison ────────────────────────────────────────────────────────────────────────
@@ -740,7 +646,7 @@ def record_regression(spec: ExperimentSpec, result: RegressionResult, work: Path
                 "ref_b": b["ref"][:40],
                 "spec_hash": spec_hash(spec),
                 "mlflow.note.content": note,
-                "mlflow.user": _user(),
+                "mlflow.user": user_name(),
             },
         )
         tracking.log_params(
@@ -776,230 +682,6 @@ def record_regression(spec: ExperimentSpec, result: RegressionResult, work: Path
     return run_id
 
 
-# ── a sweep ────────────────────────────────────────────────────────────────────────────────────────
-
-
-class SweepRecorder:
-    """A sweep's MLflow side: one parent run per study (its id kept on the study as PARENT_ATTR), a child run per
-    trial (the trial's pipeline run), the trial's verdict on that child run, the summary on the parent."""
-
-    PARENT_ATTR = "ballast.mlflow_parent_run_id"
-
-    def __init__(self, base_spec, study_name: str):
-        self.tracking, self.study_name = Tracking(base_spec), study_name
-        self.client = self.tracking.client
-        self.parent_run_id: str | None = None
-        self.objective: str | None = None  # a held-out objective (eval/*): trial runs carry Gain/<it>
-
-    def open_parent(self, study, params: dict[str, str], tags: dict) -> str:
-        """The study's parent run: created with the study, found again on resume."""
-        run_id = study.user_attrs.get(self.PARENT_ATTR)
-        if run_id:
-            try:
-                self.client.get_run(run_id)
-                self.client.update_run(run_id, status="RUNNING")
-            except Exception:
-                run_id = None  # the study outlived its tracking store: start a new parent run
-        if not run_id:
-            run_id = self.tracking.create_run(f"sweep {study.study_name}")
-            study.set_user_attr(self.PARENT_ATTR, run_id)
-            self.tracking.log_params(run_id, params)
-        note = (
-            f"**Optuna sweep `{study.study_name}`**: each child run is one trial, a pipeline run of the base spec "
-            f"with the trial's values; the summary (best trial, importances, plots) lands here when the study has "
-            f"its trials.\n\n**Running.**"
-        )
-        self.tracking.set_tags(
-            run_id,
-            {
-                "kind": "sweep",
-                "study": study.study_name,
-                "status": "running",
-                "mlflow.note.content": note,
-                "mlflow.user": _user(),
-                **tags,
-            },
-        )
-        self.parent_run_id = run_id
-        return run_id
-
-    def join(self, study) -> str:
-        run_id = study.user_attrs.get(self.PARENT_ATTR)
-        if not run_id:
-            raise ValueError(
-                f"study {study.study_name!r} has no MLflow parent run recorded; create the sweep with "
-                "`ballast sweep FILE` first"
-            )
-        self.parent_run_id = run_id
-        return run_id
-
-    def interrupted(self) -> None:
-        """The sweep process was stopped (Ctrl-C): its parent run says so until a resume."""
-        if self.parent_run_id:
-            self.tracking.set_tags(self.parent_run_id, {"status": "interrupted"})
-            self.client.set_terminated(self.parent_run_id, "KILLED")
-
-    def trial_tags(self, number: int, params: dict) -> dict:
-        """Tags a trial's pipeline run carries, so its verdict can find it; `swept` makes the swept fields its only
-        params (RunRecorder.start)."""
-        return {
-            "study": self.study_name,
-            "trial_number": number,
-            SWEPT_TAG: ",".join(params),
-            GAIN_TAG: f"Gain/{self.objective}" if self.objective else None,
-        }
-
-    def record_baseline(self, baseline) -> None:
-        """The base model's held-out scores (sweeps/baseline.py) on the parent run: metrics `baseline/<metric>`,
-        and a tag that reads as a sentence."""
-        rid = self.parent_run_id
-        for k, v in baseline.metrics.items():
-            self.client.log_metric(rid, f"baseline/{k}", float(v))
-        shown = ", ".join(
-            f"{k} {v:.3g} ± {1.96 * baseline.metrics.get(k + '_stderr', 0.0):.2g}"
-            for k, v in baseline.metrics.items()
-            if not k.endswith("_stderr") and k != "eval/mean_length"
-        )
-        self.tracking.set_tags(rid, {"baseline": f"{baseline.source}: {shown}"})
-
-    def child_run(self, number: int):
-        runs = self.client.search_runs(
-            [self.tracking.experiment_id],
-            max_results=5,
-            order_by=["attributes.start_time DESC"],
-            filter_string=f"tags.mlflow.parentRunId = '{self.parent_run_id}' and tags.`ballast.study` = "
-            f"'{self.study_name}' and tags.`ballast.trial_number` = '{number}'",
-        )
-        return runs[0] if runs else None
-
-    def record_trial(self, study, frozen) -> None:
-        """Optuna study callback: the trial's verdict onto its child run."""
-        run = self.child_run(frozen.number)
-        if run is None:
-            return
-        rid, attrs = run.info.run_id, frozen.user_attrs
-        outcome = trial_outcome(frozen)
-        tags = {
-            "trial_state": frozen.state.name,
-            "outcome": outcome,
-            "mlflow.runName": f"trial {frozen.number} · {outcome}",
-        }
-        for key in ("prune_reason", "pruned_by", "error"):
-            if attrs.get(key):
-                tags[key] = str(attrs[key])[:4000]
-        self.tracking.set_tags(rid, tags)
-        for key, value in attrs.items():
-            if key.startswith("objective/"):
-                self.client.log_metric(rid, key, float(value))
-        if attrs.get("gain") is not None:  # capitalised: Compare's plots open on the first metric, sorted
-            key, step = attrs.get("gain_metric", "score"), int(attrs.get("last_step") or 0)
-            self.client.log_metric(rid, f"Gain/{key}", float(attrs["gain"]), step=step)
-            self.client.log_metric(rid, f"Gain/{key}_ci95", 1.96 * float(attrs["gain_stderr"]), step=step)
-        if frozen.state.name == "PRUNED":  # stopped on purpose, not a crash: FINISHED, the outcome says how
-            self.client.set_terminated(rid, "FINISHED")
-
-    def record_interrupted(self, study, frozen) -> None:
-        """Heartbeat-stale trial (its worker died): mark its child run KILLED."""
-        run = self.child_run(frozen.number)
-        if run is None:
-            return
-        self.tracking.set_tags(run.info.run_id, {"trial_state": "INTERRUPTED", "status": "interrupted"})
-        if run.info.status == "RUNNING":
-            self.client.set_terminated(run.info.run_id, "KILLED")
-
-    def record_summary(self, summary, out_dir: Path) -> None:
-        """summary.json, summary.html and the plots onto the parent run, the best values as metrics."""
-        rid = self.parent_run_id
-        self.client.log_artifact(rid, str(out_dir / "summary.json"), "summary")
-        self.client.log_artifact(rid, str(out_dir / "summary.html"), "summary")
-        for p in summary.plots:
-            self.client.log_artifact(rid, str(p), "summary/plots")
-        best = summary.best_rows()
-        for k, v in ((best[0].get("values") or {}) if best else {}).items():
-            self.client.log_metric(rid, f"best/{k}", float(v))
-        if summary.best and summary.best.get("gain") is not None:
-            self.client.log_metric(rid, "best/gain", float(summary.best["gain"]))
-            self.client.log_metric(rid, "best/gain_ci95", 1.96 * float(summary.best["gain_stderr"]))
-        self.client.log_metric(rid, "trial_steps_saved", float(summary.steps_saved))
-        # a sweep whose trials were all pruned or failed found nothing: FAILED, not FINISHED
-        status = ("finished" if summary.n_complete else "no_completed_trial") if summary.done else "incomplete"
-        self.tracking.set_tags(
-            rid,
-            {
-                "status": status,
-                "trial_steps": summary.trial_steps,
-                "best_trial": best[0]["number"] if best else None,
-                "verdict": summary.verdict_line(),
-                "mlflow.note.content": _sweep_note(summary, status),
-            },
-        )
-        self.client.set_terminated(rid, {"finished": "FINISHED", "no_completed_trial": "FAILED"}.get(status, "KILLED"))
-
-
-def trial_outcome(frozen) -> str:
-    """How a trial ended, in a few words (its MLflow run's name and `ballast.outcome`): '+0.10 ± 0.05 over the
-    base model', 'pruned: collapsed at step 4', 'pruned at step 8 by the pruner', 'failed: …'."""
-    attrs, step = frozen.user_attrs, frozen.user_attrs.get("last_step", "?")
-    if frozen.state.name == "PRUNED":
-        if attrs.get("pruned_by") == "health_gate":
-            return f"pruned: collapsed at step {step}"
-        return f"pruned at step {step} by the pruner"
-    if frozen.state.name == "FAIL":
-        return f"failed: {attrs.get('error') or attrs.get('not_counted') or 'see the run'}"[:200]
-    if attrs.get("gain") is not None:
-        gain = f"{attrs['gain']:+.2g} ± {1.96 * attrs['gain_stderr']:.2g} over the base model"
-        return gain + ("" if attrs.get("beats_baseline") else " (within noise)")
-    return frozen.state.name.lower()
-
-
-def _sweep_note(summary, status: str) -> str:
-    """The sweep parent run's MLflow description at the end: how the sweep went, in the summary's own lines."""
-    lines = [line for line in summary.lines() if not line.startswith(("summary:", "dashboard:"))]
-    return "\n".join(
-        [
-            f"**Optuna sweep `{summary.study}`**: each child run is one trial.",
-            "",
-            f"**Ended: {status.replace('_', ' ')}.**",
-            "",
-            *[f"- {line}" for line in lines],
-            "",
-            "Page: artifact `summary/summary.html`.",
-        ]
-    )
-
-
-# ── reading a run back ─────────────────────────────────────────────────────────────────────────────
-
-
-def probe_report_of_run(uri: str, run_id: str, curves: list[str]) -> tuple[dict, list[dict] | None]:
-    """(the run's newest probe report, its history of the `curves` metrics) from the tracking store at `uri`."""
-    check_tracking(uri, TrackingConfig())
-    client = MlflowClient(uri)
-    try:
-        run = client.get_run(run_id)
-    except Exception:
-        raise ValueError(
-            f"MLflow run {run_id} was not found in {uri}; check the run id or pass --tracking-uri"
-        ) from None
-    steps = sorted(a.path for a in client.list_artifacts(run_id, "probe") if a.is_dir)
-    if not steps:
-        raise ValueError(
-            f"MLflow run {run_id} has no probe report (artifacts probe/step-*/probe_report.json); "
-            "it did not reach the probe stage — compare its checkpoint instead"
-        )
-    with tempfile.TemporaryDirectory() as tmp:
-        local = mlflow.artifacts.download_artifacts(
-            run_id=run_id, artifact_path=f"{steps[-1]}/probe_report.json", dst_path=tmp, tracking_uri=uri
-        )
-        report = json.loads(Path(local).read_text())
-    by_step: dict[int, dict] = {}
-    for key in curves:
-        if key in run.data.metrics:
-            for m in client.get_metric_history(run_id, key):
-                by_step.setdefault(m.step, {"step": m.step})[key] = m.value
-    return report, [by_step[s] for s in sorted(by_step)] or None
-
-
 def _regression_metrics(comparison: Comparison) -> dict[str, float]:
     """The comparison's numbers, each side's suffixed _a or _b."""
     metrics = {"p_value": comparison.p_value, "regression": float(comparison.regression)}
@@ -1015,3 +697,16 @@ def _regression_metrics(comparison: Comparison) -> dict[str, float]:
             }
         )
     return metrics
+
+
+# ── ballast sync ───────────────────────────────────────────────────────────────────────────────────
+
+
+def sync_run(tracking: Tracking, spec: ExperimentSpec, run_id: str, run_dir: Path) -> int:
+    """What `ballast sync` sends of a run that is not running: the metrics MLflow lacks (kept in the spool, or in the
+    record up to the newest checkpoint: tasks/metrics_sink.py), then the samples tables as the run directory holds
+    them; returns how many metrics were sent."""
+    sent = sync_record(tracking.client, run_id, run_dir, spec.tracking.log_every, headline)
+    for table, name in ((SAMPLES_TABLE, SAMPLES_FILE), (EVAL_SAMPLES_TABLE, EVAL_SAMPLES_FILE)):
+        put_table(tracking.client, run_id, read_rows(run_dir / name), table)
+    return sent

@@ -206,7 +206,8 @@ def test_the_format_check_sees_a_path_join_a_file_name_and_a_step_glob():
 # ── MLflow has one caller ──────────────────────────────────────────────────────────────────────────
 
 RECORDER = {
-    "tasks/record.py",  # RunRecorder, SweepRecorder, Tracking: every MLflow record
+    "tasks/record.py",  # RunRecorder: every MLflow record of a run (tasks/sweep_record.py a sweep's, through Tracking)
+    "tasks/tracking.py",  # Tracking: the tracking store every recorder writes through, and what is read back
     "tasks/metrics_sink.py",  # the recorder's per-step metrics, kept on disk while MLflow is away
     "tasks/mlflow_model.py",  # the model-from-code file the recorder logs; it records nothing itself
 }

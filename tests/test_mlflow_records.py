@@ -12,8 +12,9 @@ from mlflow.tracking import MlflowClient
 from tasks.checkpoint import CheckpointSet
 from tasks.eval import EvalResult
 from tasks.fork import ForkSource
-from tasks.record import DEFAULT_UI_URL, EXPERIMENT_KIND, RunRecorder, Tracking
+from tasks.record import RunRecorder
 from tasks.spec import load_spec
+from tasks.tracking import DEFAULT_UI_URL, EXPERIMENT_KIND, Tracking
 from tasks.train import TrainOutcome
 from tests.conftest import tiny_spec
 from trainer.checkpoint import code_ref
@@ -79,7 +80,7 @@ def test_runs_of_one_spec_have_distinct_names_made_of_the_spec_and_the_run_id(tr
 def test_a_stage_run_is_named_for_its_stage_and_its_pipeline_run(tracking):
     run = RunRecorder.start(tracking, tracking.spec, ForkSource())
     with run.stage("checkpoint"):
-        stage_id = run._stage_run
+        stage_id = run.stage_run
     assert tracking.client.get_run(stage_id).info.run_name == f"checkpoint · {run.name}"
 
 

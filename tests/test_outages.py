@@ -25,7 +25,7 @@ from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
 from infra.store import open_store
-from tasks.metrics_sink import PENDING, append_pending, pending_count, send_pending
+from tasks.metrics_sink import PENDING, append_pending, deliver, pending_count
 from tests.conftest import REPO, tiny_spec
 from tests.s3_fixtures import TEST_REGION, _free_port
 from trainer.loop import Callbacks
@@ -225,10 +225,10 @@ def test_kept_metrics_are_sent_once_each_even_when_a_spool_is_sent_twice(tmp_pat
         append_pending(tmp_path / PENDING, run_id, [Metric("reward", float(step), 1000 + step, step)])
     copy = (tmp_path / PENDING).read_text()
     assert pending_count(tmp_path / PENDING) == 3
-    assert send_pending(client, tmp_path / PENDING) == 3
+    assert len(deliver(client, run_id, [], tmp_path / PENDING)) == 3
     assert not (tmp_path / PENDING).exists()
     (tmp_path / PENDING).write_text(copy)
-    assert send_pending(client, tmp_path / PENDING) == 3
+    assert len(deliver(client, run_id, [], tmp_path / PENDING)) == 3
     history = client.get_metric_history(run_id, "reward")
     assert sorted((m.step, m.value) for m in history) == [(1, 1.0), (2, 2.0), (3, 3.0)]
 

@@ -201,8 +201,9 @@ def logged_rows(tracking, run_id, table) -> list[dict]:
 
 
 def test_the_final_eval_stage_writes_its_rows_to_the_run_directory_too(tiny_model, tmp_path):
-    """The final eval's samples reach MLflow's eval_samples.json and the run directory's eval_samples.jsonl (issue 23
-    §10: they reached MLflow alone), after the rows in-training evals wrote."""
+    """The final eval's samples reach the run directory's eval_samples.jsonl (issue 23 §10: they reached MLflow
+    alone), after the rows in-training evals wrote, and the pipeline run's eval_samples.json mirrors that file: each
+    row once, also when a resume records the final eval again."""
     from tasks.eval import EvalResult
 
     spec = load_spec(tiny_spec(tiny_model, project_dir=str(tmp_path)))
@@ -214,8 +215,8 @@ def test_the_final_eval_stage_writes_its_rows_to_the_run_directory_too(tiny_mode
     with run.stage("eval"):
         run.record(EvalResult("file:///checkpoint", 4, {"eval/reward": 0.0}, final))
     assert read_rows(run.output_dir / EVAL_SAMPLES_FILE) == [in_training, *final]
-    assert logged_rows(tracking, run.run_id, EVAL_SAMPLES_TABLE) == final
+    assert logged_rows(tracking, run.run_id, EVAL_SAMPLES_TABLE) == [in_training, *final]
     with run.stage("eval"):  # a resume that runs the final eval again (killed before the run was marked ended)
         run.record(EvalResult("file:///checkpoint", 4, {"eval/reward": 0.0}, final))
     assert read_rows(run.output_dir / EVAL_SAMPLES_FILE) == [in_training, *final]
-    assert logged_rows(tracking, run.run_id, EVAL_SAMPLES_TABLE) == final
+    assert logged_rows(tracking, run.run_id, EVAL_SAMPLES_TABLE) == [in_training, *final]

@@ -258,9 +258,9 @@ def test_a_trials_own_train_stage_node_is_kept_on_the_trial_from_its_mlflow_run(
 
     from flows.sweep import keep_trial_usage
     from infra.compute import Usage
-    from tasks.record import SweepRecorder
     from tasks.remote import record_usage
     from tasks.spec import load_spec
+    from tasks.sweep_record import SweepRecorder
 
     recorder = SweepRecorder(load_spec({"model": {"name_or_path": "m"}, "project_dir": str(tmp_path)}), STUDY)
     study = optuna.create_study(study_name=STUDY)

@@ -108,10 +108,15 @@ SIGNALLED = threading.Event()  # a stop signal (SIGTERM, SIGINT) reached the tra
 HOLD_TIMEOUT_S = 900.0  # a held step that no signal reaches fails instead of hanging a test run
 
 
+def fault_armed(name: str, step: int) -> bool:
+    """Whether BALLAST_FAULT names this fault point (`NAME:STEP`)."""
+    return os.environ.get("BALLAST_FAULT") == f"{name}:{step}"
+
+
 def fault_point(name: str, step: int) -> None:
     """When BALLAST_FAULT names this point: SIGKILL this process here (a 'kill-' point, the resume tests), or wait
     here until a stop signal has arrived (a 'hold-' point, the signal tests)."""
-    if os.environ.get("BALLAST_FAULT") != f"{name}:{step}":
+    if not fault_armed(name, step):
         return
     if name.startswith("hold-"):
         deadline = time.monotonic() + HOLD_TIMEOUT_S

@@ -234,7 +234,8 @@ class GRPOTrainer:
     def resume(self) -> Path | None:
         """Load the newest valid checkpoint under output_dir, if any; returns its path."""
         checkpoint = ckpt.latest_checkpoint(self.ckpt_root)
-        if checkpoint is None:
+        if checkpoint is None:  # nothing saved: the run starts again at step 0, and its records with it
+            self._truncate_records(-1)
             return None
         state = checkpoint.training_state()
         _refuse_changed_config(state.trainer.get("config", {}), _resumable_view(self.cfg), checkpoint.path)
@@ -248,12 +249,14 @@ class GRPOTrainer:
         ckpt.restore_rng(state.rng)
         self.step = state.trainer["step"]
         self.num_tokens = state.trainer.get("num_tokens", 0)
-        if self.world.main:  # only rank 0 writes the run's records
-            _truncate_metrics(self.out / "metrics.jsonl", self.step)
-            _truncate_metrics(self.out / "prompts.jsonl", self.step)
-            for samples in (SAMPLES_FILE, EVAL_SAMPLES_FILE):
-                _truncate_metrics(self.out / samples, self.step)
+        self._truncate_records(self.step)
         return checkpoint.path
+
+    def _truncate_records(self, last_step: int) -> None:
+        """The run's records (metrics, prompts, samples) cut back to the steps up to `last_step`."""
+        if self.world.main:  # only rank 0 writes the run's records
+            for name in ("metrics.jsonl", "prompts.jsonl", SAMPLES_FILE, EVAL_SAMPLES_FILE):
+                _truncate_metrics(self.out / name, last_step)
 
     def _load_weights_and_optimizer(self, checkpoint: ckpt.Checkpoint, optim_state: dict) -> None:
         """A checkpoint saved by any world size (its optimizer state by position, or by name from a sharded run) into

@@ -1,0 +1,203 @@
+"""A sweep's MLflow side: one parent run per Optuna study, a child run per trial (the trial's pipeline run, recorded
+by tasks/record.py), the trial's verdict on its child run, the baseline and the summary on the parent.
+
+A sweep's trial run is read side by side with its siblings (MLflow's Compare), so it is recorded for that: its
+params are the swept parameters alone (`trial_tags` names them, SWEPT_TAG; the whole spec is its `spec.yaml`
+artifact), its gain over the baseline is its first metric (GAIN_TAG), and its name says how it ended
+(`trial_outcome`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tasks.tracking import GAIN_TAG, SWEPT_TAG, Tracking, user_name
+
+
+class SweepRecorder:
+    """A sweep's MLflow side: one parent run per study (its id kept on the study as PARENT_ATTR), a child run per
+    trial (the trial's pipeline run), the trial's verdict on that child run, the summary on the parent."""
+
+    PARENT_ATTR = "ballast.mlflow_parent_run_id"
+
+    def __init__(self, base_spec, study_name: str):
+        self.tracking, self.study_name = Tracking(base_spec), study_name
+        self.client = self.tracking.client
+        self.parent_run_id: str | None = None
+        self.objective: str | None = None  # a held-out objective (eval/*): trial runs carry Gain/<it>
+
+    def open_parent(self, study, params: dict[str, str], tags: dict) -> str:
+        """The study's parent run: created with the study, found again on resume."""
+        run_id = study.user_attrs.get(self.PARENT_ATTR)
+        if run_id:
+            try:
+                self.client.get_run(run_id)
+                self.client.update_run(run_id, status="RUNNING")
+            except Exception:
+                run_id = None  # the study outlived its tracking store: start a new parent run
+        if not run_id:
+            run_id = self.tracking.create_run(f"sweep {study.study_name}")
+            study.set_user_attr(self.PARENT_ATTR, run_id)
+            self.tracking.log_params(run_id, params)
+        note = (
+            f"**Optuna sweep `{study.study_name}`**: each child run is one trial, a pipeline run of the base spec "
+            f"with the trial's values; the summary (best trial, importances, plots) lands here when the study has "
+            f"its trials.\n\n**Running.**"
+        )
+        self.tracking.set_tags(
+            run_id,
+            {
+                "kind": "sweep",
+                "study": study.study_name,
+                "status": "running",
+                "mlflow.note.content": note,
+                "mlflow.user": user_name(),
+                **tags,
+            },
+        )
+        self.parent_run_id = run_id
+        return run_id
+
+    def join(self, study) -> str:
+        run_id = study.user_attrs.get(self.PARENT_ATTR)
+        if not run_id:
+            raise ValueError(
+                f"study {study.study_name!r} has no MLflow parent run recorded; create the sweep with "
+                "`ballast sweep FILE` first"
+            )
+        self.parent_run_id = run_id
+        return run_id
+
+    def interrupted(self) -> None:
+        """The sweep process was stopped (Ctrl-C): its parent run says so until a resume."""
+        if self.parent_run_id:
+            self.tracking.set_tags(self.parent_run_id, {"status": "interrupted"})
+            self.client.set_terminated(self.parent_run_id, "KILLED")
+
+    def trial_tags(self, number: int, params: dict) -> dict:
+        """Tags a trial's pipeline run carries, so its verdict can find it; `swept` makes the swept fields its only
+        params (RunRecorder.start)."""
+        return {
+            "study": self.study_name,
+            "trial_number": number,
+            SWEPT_TAG: ",".join(params),
+            GAIN_TAG: f"Gain/{self.objective}" if self.objective else None,
+        }
+
+    def record_baseline(self, baseline) -> None:
+        """The base model's held-out scores (sweeps/baseline.py) on the parent run: metrics `baseline/<metric>`,
+        and a tag that reads as a sentence."""
+        rid = self.parent_run_id
+        for k, v in baseline.metrics.items():
+            self.client.log_metric(rid, f"baseline/{k}", float(v))
+        shown = ", ".join(
+            f"{k} {v:.3g} ± {1.96 * baseline.metrics.get(k + '_stderr', 0.0):.2g}"
+            for k, v in baseline.metrics.items()
+            if not k.endswith("_stderr") and k != "eval/mean_length"
+        )
+        self.tracking.set_tags(rid, {"baseline": f"{baseline.source}: {shown}"})
+
+    def child_run(self, number: int):
+        runs = self.client.search_runs(
+            [self.tracking.experiment_id],
+            max_results=5,
+            order_by=["attributes.start_time DESC"],
+            filter_string=f"tags.mlflow.parentRunId = '{self.parent_run_id}' and tags.`ballast.study` = "
+            f"'{self.study_name}' and tags.`ballast.trial_number` = '{number}'",
+        )
+        return runs[0] if runs else None
+
+    def record_trial(self, study, frozen) -> None:
+        """Optuna study callback: the trial's verdict onto its child run."""
+        run = self.child_run(frozen.number)
+        if run is None:
+            return
+        rid, attrs = run.info.run_id, frozen.user_attrs
+        outcome = trial_outcome(frozen)
+        tags = {
+            "trial_state": frozen.state.name,
+            "outcome": outcome,
+            "mlflow.runName": f"trial {frozen.number} · {outcome}",
+        }
+        for key in ("prune_reason", "pruned_by", "error"):
+            if attrs.get(key):
+                tags[key] = str(attrs[key])[:4000]
+        self.tracking.set_tags(rid, tags)
+        for key, value in attrs.items():
+            if key.startswith("objective/"):
+                self.client.log_metric(rid, key, float(value))
+        if attrs.get("gain") is not None:  # capitalised: Compare's plots open on the first metric, sorted
+            key, step = attrs.get("gain_metric", "score"), int(attrs.get("last_step") or 0)
+            self.client.log_metric(rid, f"Gain/{key}", float(attrs["gain"]), step=step)
+            self.client.log_metric(rid, f"Gain/{key}_ci95", 1.96 * float(attrs["gain_stderr"]), step=step)
+        if frozen.state.name == "PRUNED":  # stopped on purpose, not a crash: FINISHED, the outcome says how
+            self.client.set_terminated(rid, "FINISHED")
+
+    def record_interrupted(self, study, frozen) -> None:
+        """Heartbeat-stale trial (its worker died): mark its child run KILLED."""
+        run = self.child_run(frozen.number)
+        if run is None:
+            return
+        self.tracking.set_tags(run.info.run_id, {"trial_state": "INTERRUPTED", "status": "interrupted"})
+        if run.info.status == "RUNNING":
+            self.client.set_terminated(run.info.run_id, "KILLED")
+
+    def record_summary(self, summary, out_dir: Path) -> None:
+        """summary.json, summary.html and the plots onto the parent run, the best values as metrics."""
+        rid = self.parent_run_id
+        self.client.log_artifact(rid, str(out_dir / "summary.json"), "summary")
+        self.client.log_artifact(rid, str(out_dir / "summary.html"), "summary")
+        for p in summary.plots:
+            self.client.log_artifact(rid, str(p), "summary/plots")
+        best = summary.best_rows()
+        for k, v in ((best[0].get("values") or {}) if best else {}).items():
+            self.client.log_metric(rid, f"best/{k}", float(v))
+        if summary.best and summary.best.get("gain") is not None:
+            self.client.log_metric(rid, "best/gain", float(summary.best["gain"]))
+            self.client.log_metric(rid, "best/gain_ci95", 1.96 * float(summary.best["gain_stderr"]))
+        self.client.log_metric(rid, "trial_steps_saved", float(summary.steps_saved))
+        # a sweep whose trials were all pruned or failed found nothing: FAILED, not FINISHED
+        status = ("finished" if summary.n_complete else "no_completed_trial") if summary.done else "incomplete"
+        self.tracking.set_tags(
+            rid,
+            {
+                "status": status,
+                "trial_steps": summary.trial_steps,
+                "best_trial": best[0]["number"] if best else None,
+                "verdict": summary.verdict_line(),
+                "mlflow.note.content": _sweep_note(summary, status),
+            },
+        )
+        self.client.set_terminated(rid, {"finished": "FINISHED", "no_completed_trial": "FAILED"}.get(status, "KILLED"))
+
+
+def trial_outcome(frozen) -> str:
+    """How a trial ended, in a few words (its MLflow run's name and `ballast.outcome`): '+0.10 ± 0.05 over the
+    base model', 'pruned: collapsed at step 4', 'pruned at step 8 by the pruner', 'failed: …'."""
+    attrs, step = frozen.user_attrs, frozen.user_attrs.get("last_step", "?")
+    if frozen.state.name == "PRUNED":
+        if attrs.get("pruned_by") == "health_gate":
+            return f"pruned: collapsed at step {step}"
+        return f"pruned at step {step} by the pruner"
+    if frozen.state.name == "FAIL":
+        return f"failed: {attrs.get('error') or attrs.get('not_counted') or 'see the run'}"[:200]
+    if attrs.get("gain") is not None:
+        gain = f"{attrs['gain']:+.2g} ± {1.96 * attrs['gain_stderr']:.2g} over the base model"
+        return gain + ("" if attrs.get("beats_baseline") else " (within noise)")
+    return frozen.state.name.lower()
+
+
+def _sweep_note(summary, status: str) -> str:
+    """The sweep parent run's MLflow description at the end: how the sweep went, in the summary's own lines."""
+    lines = [line for line in summary.lines() if not line.startswith(("summary:", "dashboard:"))]
+    return "\n".join(
+        [
+            f"**Optuna sweep `{summary.study}`**: each child run is one trial.",
+            "",
+            f"**Ended: {status.replace('_', ' ')}.**",
+            "",
+            *[f"- {line}" for line in lines],
+            "",
+            "Page: artifact `summary/summary.html`.",
+        ]
+    )
