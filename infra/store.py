@@ -28,16 +28,13 @@ import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
-import boto3
-from boto3.exceptions import S3UploadFailedError
-from boto3.s3.transfer import TransferConfig
-from botocore.config import Config
-from botocore.exceptions import ClientError, HTTPClientError, NoCredentialsError
-from botocore.exceptions import ConnectionError as BotoConnectionError
-
 from trainer.checkpoint import MANIFEST, CheckpointError, verify_files
+
+if TYPE_CHECKING:  # boto3 loads on the first S3 call: a node that trains on local disk needs no boto3
+    from boto3.s3.transfer import TransferConfig
 
 # --- S3 client and calls ------------------------------------------------------------------------
 
@@ -77,6 +74,9 @@ def s3_client(
     `endpoint_url=None` lets boto3 take `AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL` or the AWS
     default; `region=None` lets it take `AWS_DEFAULT_REGION` / `~/.aws/config`.
     """
+    import boto3
+    from botocore.config import Config
+
     settings = settings or S3Settings()
     config = Config(
         # In a Config, botocore's "max_attempts" counts retries, not the first attempt.
@@ -91,6 +91,8 @@ def s3_client(
 
 def transfer_config(settings: S3Settings | None = None) -> TransferConfig:
     """The managed-transfer configuration: multipart threshold, part size, concurrency."""
+    from boto3.s3.transfer import TransferConfig
+
     settings = settings or S3Settings()
     return TransferConfig(
         multipart_threshold=settings.multipart_threshold,
@@ -153,6 +155,8 @@ def _delete_keys(client, bucket: str, keys: list[str]) -> None:
 
 def _head(client, bucket: str, key: str) -> dict | None:
     """The object's metadata (HeadObject response), or None when there is no such object."""
+    from botocore.exceptions import ClientError
+
     try:
         return client.head_object(Bucket=bucket, Key=key)
     except ClientError as err:
@@ -511,6 +515,10 @@ class S3Store(ArtifactStore):
     @contextlib.contextmanager
     def _errors(self, bucket: str):
         """Translate botocore's failures into errors that name the endpoint or bucket and the fix."""
+        from boto3.exceptions import S3UploadFailedError
+        from botocore.exceptions import ClientError, HTTPClientError, NoCredentialsError
+        from botocore.exceptions import ConnectionError as BotoConnectionError
+
         try:
             if not self._bucket_checked:
                 self._check_bucket(bucket)
@@ -533,6 +541,8 @@ class S3Store(ArtifactStore):
             raise
 
     def _check_bucket(self, bucket: str) -> None:
+        from botocore.exceptions import ClientError
+
         try:
             self._client.head_bucket(Bucket=bucket)
         except ClientError as err:
@@ -630,6 +640,8 @@ class S3Store(ArtifactStore):
             _download_file(self._client, bucket, key, local, self._transfer)
 
     def read_text(self, path: str) -> str:
+        from botocore.exceptions import ClientError
+
         bucket, key = self._locate(path)
         with self._errors(bucket):
             try:
