@@ -30,8 +30,8 @@ and one process records a run at a time.
   infra/mlflow_server.py's (`check_tracking`).
 
 Fault points (trainer/checkpoint.py, BALLAST_FAULT=NAME:STEP) for the tests and bench/kill_resume.py:
-`kill-after-logged:N` SIGKILLs the run once MLflow holds step N; `kill-before-logged:N` once the checkpoint of step N
-(or a later one) is written, before step N's metrics are sent.
+`kill-after-logged:N` SIGKILLs the run once MLflow holds step N (the trainer waits at step N: none trains past it);
+`kill-before-logged:N` once the checkpoint of step N (or a later one) is written, before step N's metrics are sent.
 """
 
 from __future__ import annotations
@@ -261,6 +261,8 @@ class MetricsSink(Callbacks):
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         if self.takes(step, metrics):
             self.put(step, metrics)
+        if fault_armed("kill-after-logged", step):  # BALLAST_FAULT: train no further; the delivery of this step kills
+            time.sleep(HOLD_TIMEOUT_S)
 
     def put(self, step: int, metrics: dict[str, float]) -> None:
         """Queue a step's metrics (already chosen by `takes`) for the next batch."""

@@ -358,7 +358,7 @@ class OfflineEngine:
             with_logprobs.append(lps is not None)
             if with_logprobs[-1] != with_logprobs[0]:
                 raise TrajectoryError(
-                    f"{at} has {'logprobs' if with_logprobs[-1] else 'no logprobs'} but {where}[{sampled[0]}], the "
+                    f"{at} has {'logprobs' if with_logprobs[-1] else 'no logprobs'} but {key}[{sampled[0]}], the "
                     f"model's first turn, has {'them' if with_logprobs[0] else 'none'}: an episode's turns all have "
                     "logprobs or none do (then set grpo.rollout_correction.mode: off)"
                 )
