@@ -39,16 +39,10 @@ class AdvantageResult:
     frac_zero_std_groups: float  # share of groups whose rewards are all equal
 
 
-def compute_advantages(
-    rewards: Tensor,
-    num_generations: int,
-    scale_rewards: Literal["group", "batch", "none"],
-    truncated: Tensor | None = None,
-    mask_truncated: bool = False,
-    drop_zero_std_groups: bool = False,
-    eps: float = 1e-4,
-) -> AdvantageResult:
-    """Advantages for `rewards` [P*G], grouped by consecutive runs of `num_generations`."""
+def _check_advantage_inputs(
+    rewards: Tensor, num_generations: int, scale_rewards: str, truncated: Tensor | None, mask_truncated: bool
+) -> None:
+    """Rewards flat, finite and in whole groups of G >= 2; a known scaling; truncation flags where needed."""
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be a flat [P*G] tensor, got shape {tuple(rewards.shape)}")
     if num_generations < 2:
@@ -76,6 +70,18 @@ def compute_advantages(
             "mask_truncated=True needs the `truncated` flags (finish_reason == 'length') of each completion"
         )
 
+
+def compute_advantages(
+    rewards: Tensor,
+    num_generations: int,
+    scale_rewards: Literal["group", "batch", "none"],
+    truncated: Tensor | None = None,
+    mask_truncated: bool = False,
+    drop_zero_std_groups: bool = False,
+    eps: float = 1e-4,
+) -> AdvantageResult:
+    """Advantages for `rewards` [P*G], grouped by consecutive runs of `num_generations`."""
+    _check_advantage_inputs(rewards, num_generations, scale_rewards, truncated, mask_truncated)
     rewards = rewards.float()
     grouped = rewards.view(-1, num_generations)  # [P, G]
     group_mean = grouped.mean(dim=1, keepdim=True)

@@ -225,38 +225,9 @@ def completion_logprobs(
     Positions where the completion is padding get a logprob too (of the pad token, or with `packed` of an
     arbitrary position): mask them in the loss. `packed` runs the model over the rows' real tokens laid end to
     end (trainer/packing.py) instead of the padded batch; the result is the same to rounding."""
-    if input_ids.dim() != 2 or tuple(attention_mask.shape) != tuple(input_ids.shape):
-        raise ValueError(
-            f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
-            f"must both be [B, L] with the same shape"
-        )
-    length = input_ids.shape[1]
-    if not 1 <= completion_len <= length - 1:
-        raise ValueError(
-            f"completion_len={completion_len} must be in [1, L - 1] = [1, {length - 1}] for input_ids "
-            f"of shape {tuple(input_ids.shape)}: the first completion token is predicted from the token "
-            f"before it, so at least one prompt token must precede the completion"
-        )
-    labels = input_ids[:, length - completion_len :]
-    if packed:
-        plan = pack(input_ids, attention_mask, completion_len)
-        inputs = dict(input_ids=plan.input_ids, attention_mask=None, position_ids=plan.position_ids, use_cache=False)
-
-        def predicting(outputs: Tensor) -> Tensor:  # [bins, width, ...] -> [B, completion_len, ...]
-            return outputs[plan.bin_of, plan.column_of]
-
-    else:
-        inputs = dict(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=_position_ids(attention_mask),
-            use_cache=False,
-        )
-        positions = _next_token_positions(length, completion_len)
-
-        def predicting(outputs: Tensor) -> Tensor:  # [B, L, ...] -> [B, completion_len, ...]
-            return outputs[:, positions]
-
+    _check_completion_shape(input_ids, attention_mask, completion_len)
+    labels = input_ids[:, input_ids.shape[1] - completion_len :]
+    inputs, predicting = _model_inputs(input_ids, attention_mask, completion_len, packed)
     if _logits_are_lm_head_output(model):
         hidden = model.get_decoder()(**inputs).last_hidden_state
         head = model.get_output_embeddings()
@@ -269,16 +240,60 @@ def completion_logprobs(
             with_entropy=with_entropy,
             lm_head_bias=head.bias,
         )
-
     # Fallback: the model's own logits (built in the model's dtype), reduced to fp32 chunk by chunk.
     logits = predicting(model(**inputs).logits)
+    return _logprobs_from_logits(logits, labels, temperature, chunk_size, with_entropy)
+
+
+def _check_completion_shape(input_ids: Tensor, attention_mask: Tensor, completion_len: int) -> None:
+    if input_ids.dim() != 2 or tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
+            f"must both be [B, L] with the same shape"
+        )
+    length = input_ids.shape[1]
+    if not 1 <= completion_len <= length - 1:
+        raise ValueError(
+            f"completion_len={completion_len} must be in [1, L - 1] = [1, {length - 1}] for input_ids "
+            f"of shape {tuple(input_ids.shape)}: the first completion token is predicted from the token "
+            f"before it, so at least one prompt token must precede the completion"
+        )
+
+
+def _model_inputs(input_ids: Tensor, attention_mask: Tensor, completion_len: int, packed: bool):
+    """The model's keyword inputs, and the function taking its per-position outputs to the positions that
+    predict the completion tokens: [B, completion_len, ...]."""
+    if packed:
+        plan = pack(input_ids, attention_mask, completion_len)
+        inputs = dict(input_ids=plan.input_ids, attention_mask=None, position_ids=plan.position_ids, use_cache=False)
+
+        def predicting(outputs: Tensor) -> Tensor:  # [bins, width, ...] -> [B, completion_len, ...]
+            return outputs[plan.bin_of, plan.column_of]
+
+        return inputs, predicting
+    inputs = dict(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=_position_ids(attention_mask),
+        use_cache=False,
+    )
+    positions = _next_token_positions(input_ids.shape[1], completion_len)
+
+    def predicting(outputs: Tensor) -> Tensor:  # [B, L, ...] -> [B, completion_len, ...]
+        return outputs[:, positions]
+
+    return inputs, predicting
+
+
+def _logprobs_from_logits(logits: Tensor, labels: Tensor, temperature: float, chunk_size: int, with_entropy: bool):
+    """Logprobs (and entropy) of labels [B, C] from logits [B, C, V] in any dtype, in fp32 chunk by chunk."""
     _check_rows_match_labels("logits", logits, labels, 2)
     _check_labels_in_vocab(labels, logits.shape[-1])
 
     def fn(logits_chunk, labels_chunk):
         return _chunk_logprobs(logits_chunk, labels_chunk, temperature, with_entropy)
 
-    batch, vocab_size = logits.shape[0], logits.shape[-1]
+    (batch, completion_len), vocab_size = labels.shape, logits.shape[-1]
     logprobs, entropy = _chunked(fn, [logits.reshape(-1, vocab_size), labels.reshape(-1)], (), chunk_size, with_entropy)
     return logprobs.view(batch, completion_len), (entropy.view(batch, completion_len) if with_entropy else None)
 

@@ -211,6 +211,30 @@ def _expected_accuracy(model, tokenizer, examples) -> float:
     return token_logprobs.sum(-1).exp().mean().item()
 
 
+def _warm_up_stream(recipe: TinyArithRecipe, steps: int, held_out: list) -> list:
+    """The warm-up's additions, drawn from recipe.data_seed, none of them a held-out prompt."""
+    excluded = {e.prompt for e in held_out}
+    drawn = int(steps * recipe.batch_size * 1.1) + recipe.batch_size  # room for the few held-out draws left out
+    return [
+        e
+        for e in arith_examples(drawn, seed=recipe.data_seed, max_digits=recipe.max_digits)
+        if e.prompt not in excluded
+    ]
+
+
+def _warm_up_bar(recipe: TinyArithRecipe, progress: bool) -> Progress:
+    return Progress(
+        TextColumn("[bold]warm-up"),
+        BarColumn(bar_width=20),
+        MofNCompleteColumn(),
+        TextColumn(
+            f"loss {{task.fields[loss]:.3f}}  argmax right {{task.fields[acc]:.2f}}/{recipe.target_argmax_accuracy:.2f}"
+        ),
+        TimeElapsedColumn(),
+        disable=not progress,
+    )
+
+
 def _warm_up(model, tokenizer, recipe: TinyArithRecipe, steps: int, seed: int, progress: bool, held_out: list) -> dict:
     """Supervised warm-up of all weights, for `steps` or until the teacher-forced argmax answer is right often enough.
 
@@ -223,13 +247,7 @@ def _warm_up(model, tokenizer, recipe: TinyArithRecipe, steps: int, seed: int, p
     forced, every answer token is the argmax for target_argmax_accuracy of a batch (averaged over stop_window
     steps): learning the carry is a sudden transition whose step depends on the seed, so a fixed step count
     would not do (usually ~550-800 steps, ~2 min on 2 idle cores)."""
-    excluded = {e.prompt for e in held_out}
-    drawn = int(steps * recipe.batch_size * 1.1) + recipe.batch_size  # room for the few held-out draws left out
-    stream = [
-        e
-        for e in arith_examples(drawn, seed=recipe.data_seed, max_digits=recipe.max_digits)
-        if e.prompt not in excluded
-    ]
+    stream = _warm_up_stream(recipe, steps, held_out)
     torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, weight_decay=recipe.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -238,16 +256,7 @@ def _warm_up(model, tokenizer, recipe: TinyArithRecipe, steps: int, seed: int, p
     digit_ids = torch.tensor(tokenizer.convert_tokens_to_ids(list("0123456789")))
     recent: list[float] = []
     result = {"steps": 0, "final_loss": float("nan"), "argmax_accuracy": 0.0}
-    bar = Progress(
-        TextColumn("[bold]warm-up"),
-        BarColumn(bar_width=20),
-        MofNCompleteColumn(),
-        TextColumn(
-            f"loss {{task.fields[loss]:.3f}}  argmax right {{task.fields[acc]:.2f}}/{recipe.target_argmax_accuracy:.2f}"
-        ),
-        TimeElapsedColumn(),
-        disable=not progress,
-    )
+    bar = _warm_up_bar(recipe, progress)
     model.train()
     with bar:
         task = bar.add_task("warm-up", total=steps, loss=float("nan"), acc=0.0)

@@ -254,6 +254,22 @@ class VLLMEngine:
            |server - trainer| must be within the tolerance (by dtype, or rollout.policy_check_tolerance),
            else 'stale adapter'. Sampling, not prompt_logprobs: vLLM skips the prefix cache for requests with
            prompt_logprobs, and a prefix cache holding an earlier version's states is one way to be stale."""
+        name = self.adapter[0]
+        models = self._listed_version(step, deadline)
+        prompt, tokens, served = self._sample_canary(models, step, deadline)
+        ours = _trainer_logprobs(model, prompt, tokens)
+        diff = max(abs(a - b) for a, b in zip(served, ours))
+        if not diff <= self.tolerance:
+            raise ServedPolicyError(
+                f"step {step}: stale adapter: after loading {name} the server's logprobs of the canary differ from the "
+                f"trainer's by up to {diff:.3g} (tolerance {self.tolerance:g}): it samples from other weights than "
+                "those just trained — an adapter reloaded in place under its old name (stale prefix cache), another "
+                "base model, or another dtype (rollout.vllm_dtype; rollout.policy_check_tolerance)"
+            )
+        return diff
+
+    def _listed_version(self, step: int, deadline: float) -> dict[str, dict]:
+        """Check 1: /v1/models lists the new adapter from the directory just written; returns what it lists."""
         name, path = self.adapter
         models = {m["id"]: m for m in self.server.get("/v1/models", _remaining(deadline))["data"]}
         if name not in models:
@@ -268,6 +284,13 @@ class VLLMEngine:
                 f"step {step}: stale adapter: the server serves {name} from {root}, not from {path} "
                 "where this version was written"
             )
+        return models
+
+    def _sample_canary(
+        self, models: dict[str, dict], step: int, deadline: float
+    ) -> tuple[list[int], list[int], list[float]]:
+        """Check 2's sample: the server's seeded tokens after canary_prompt() and their logprobs under the adapter."""
+        name = self.adapter[0]
         length = self.rollout.policy_check_prompt_tokens
         context = [int(m["max_model_len"]) for m in models.values() if m.get("max_model_len")]  # the base lists it
         if context:  # the canary and its tokens must fit the served context
@@ -296,16 +319,7 @@ class VLLMEngine:
                 ) from None
             raise
         _, tokens, served, _ = _parse_choice(choice, prompt)
-        ours = _trainer_logprobs(model, prompt, tokens)
-        diff = max(abs(a - b) for a, b in zip(served, ours))
-        if not diff <= self.tolerance:
-            raise ServedPolicyError(
-                f"step {step}: stale adapter: after loading {name} the server's logprobs of the canary differ from the "
-                f"trainer's by up to {diff:.3g} (tolerance {self.tolerance:g}): it samples from other weights than "
-                "those just trained — an adapter reloaded in place under its old name (stale prefix cache), another "
-                "base model, or another dtype (rollout.vllm_dtype; rollout.policy_check_tolerance)"
-            )
-        return diff
+        return prompt, tokens, served
 
     def loaded_adapters(self) -> list[str]:
         """The LoRA names the server currently serves (all engines' on a shared server)."""

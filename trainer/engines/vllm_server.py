@@ -167,6 +167,91 @@ def process_group_members(pgid: int) -> list[int]:
 _LIVE_SERVERS: set[VLLMServer] = set()  # strong references: a forgotten server is still stopped at exit
 
 
+def _server_command(
+    python: Path,
+    model: str | Path,
+    *,
+    port: int,
+    dtype: str,
+    device: str,
+    max_lora_rank: int | None,
+    max_loras: int,
+    lora_modules: dict[str, str] | None,
+    gpu_memory_utilization: float | None,
+    extra_args: Sequence[str],
+) -> list[str]:
+    """The api_server's command line: the base model under SERVED_BASE_NAME, LoRA slots, memory cap, extras."""
+    args = [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        SERVED_BASE_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--logprobs-mode",
+        LOGPROBS_MODE,
+        "--disable-uvicorn-access-log",
+    ]
+    if max_lora_rank:
+        args += [
+            "--enable-lora",
+            "--max-lora-rank",
+            str(lora_rank_bucket(max_lora_rank)),
+            "--max-loras",
+            str(max_loras),
+            "--max-cpu-loras",
+            str(2 * max_loras),
+        ]  # max_loras adapters in one batch (concurrent trials); each one's new version loads before its old goes
+    if lora_modules:
+        args += ["--lora-modules", *(f"{name}={path}" for name, path in lora_modules.items())]
+    if gpu_memory_utilization and device == "cuda" and "--gpu-memory-utilization" not in extra_args:
+        args += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+    return args + list(extra_args)
+
+
+def _server_environment(python: Path, model: str | Path, device: str, visible_devices: str | None) -> dict[str, str]:
+    """Ours without our venv, runtime LoRA updates on, the server's devices, offline for a local model."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env["PATH"] = f"{python.parent}{os.pathsep}{env.get('PATH', '')}"
+    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("DO_NOT_TRACK", "1")
+    if device == "cpu":
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    elif visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices
+    if Path(model).is_dir():
+        env.setdefault("HF_HUB_OFFLINE", "1")
+    return env
+
+
+def _launch(args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
+    """Run the server in its own process group, its output appended to log_path, dying with this process."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    main_thread = threading.current_thread() is threading.main_thread()  # PDEATHSIG follows the forking thread
+    with open(log_path, "ab") as log:
+        log.write(f"\n# ballast: {' '.join(args)}\n".encode())
+        log.flush()
+        return subprocess.Popen(
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=str(log_path.parent),
+            start_new_session=True,
+            preexec_fn=_die_with_parent if main_thread and sys.platform.startswith("linux") else None,
+        )
+
+
 @atexit.register
 def _close_all_servers() -> None:
     for server in list(_LIVE_SERVERS):
@@ -215,70 +300,22 @@ class VLLMServer:
         if not python.exists():
             raise VLLMError(f"the vLLM python {python} does not exist; create the environment with `ballast vllm-env`")
         port = port or _free_port()
-        args = [
-            str(python),
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model),
-            "--served-model-name",
-            SERVED_BASE_NAME,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--dtype",
-            dtype,
-            "--logprobs-mode",
-            LOGPROBS_MODE,
-            "--disable-uvicorn-access-log",
-        ]
-        if max_lora_rank:
-            args += [
-                "--enable-lora",
-                "--max-lora-rank",
-                str(lora_rank_bucket(max_lora_rank)),
-                "--max-loras",
-                str(max_loras),
-                "--max-cpu-loras",
-                str(2 * max_loras),
-            ]  # max_loras adapters in one batch (concurrent trials); each one's new version loads before its old goes
-        if lora_modules:
-            args += ["--lora-modules", *(f"{name}={path}" for name, path in lora_modules.items())]
-        if gpu_memory_utilization and device == "cuda" and "--gpu-memory-utilization" not in extra_args:
-            args += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
-        args += list(extra_args)
-
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-        env["PATH"] = f"{python.parent}{os.pathsep}{env.get('PATH', '')}"
-        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-        env.setdefault("VLLM_NO_USAGE_STATS", "1")
-        env.setdefault("DO_NOT_TRACK", "1")
-        if device == "cpu":
-            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-            env["CUDA_VISIBLE_DEVICES"] = ""
-        elif visible_devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = visible_devices
-        if Path(model).is_dir():
-            env.setdefault("HF_HUB_OFFLINE", "1")
-
+        args = _server_command(
+            python,
+            model,
+            port=port,
+            dtype=dtype,
+            device=device,
+            max_lora_rank=max_lora_rank,
+            max_loras=max_loras,
+            lora_modules=lora_modules,
+            gpu_memory_utilization=gpu_memory_utilization,
+            extra_args=extra_args,
+        )
+        env = _server_environment(python, model, device, visible_devices)
         log_path = Path(log_path)
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        main_thread = threading.current_thread() is threading.main_thread()  # PDEATHSIG follows the forking thread
         started = time.perf_counter()
-        with open(log_path, "ab") as log:
-            log.write(f"\n# ballast: {' '.join(args)}\n".encode())
-            log.flush()
-            process = subprocess.Popen(
-                args,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                cwd=str(log_path.parent),
-                start_new_session=True,
-                preexec_fn=_die_with_parent if main_thread and sys.platform.startswith("linux") else None,
-            )
+        process = _launch(args, env, log_path)
         server = cls(f"http://127.0.0.1:{port}", process, log_path, request_timeout_s)
         try:
             server.wait_healthy(startup_timeout_s)
