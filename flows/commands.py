@@ -650,7 +650,8 @@ def cmd_sweep(args) -> int:
     if args.workers and base_spec(sweep).get("infra", {}).get("compute", "here") != "here":
         _check_worker_nodes(sweep, args.storage)
     runtime.prestart(base_spec(sweep).get("project_dir", ".ballast"))
-    from flows.sweep import ballast_sweep, interrupts_said_once
+    from flows.sweep import ballast_sweep
+    from flows.trials.interrupts import interrupts_said_once
 
     runtime.wait_until_started()  # a flow that starts before the ephemeral server answers finds no API
     again = shlex.join(["ballast", "sweep", args.file, *[x for s in args.set for x in ("--set", s)]])
@@ -702,7 +703,8 @@ def cmd_sweep_worker(args) -> int:
     _check_storage_flag(args.storage)
     _, sweep = join_study(args.study, make_storage(args.storage), worker=args.worker)  # a bad study name fails early
     runtime.prestart(base_spec(sweep).get("project_dir", ".ballast"))  # nothing to start when spawned by a sweep
-    from flows.sweep import ballast_sweep_worker, interrupts_said_once
+    from flows.sweep import ballast_sweep_worker
+    from flows.trials.interrupts import interrupts_said_once
 
     runtime.wait_until_started()
     again = ["ballast", "sweep-worker", "--study", args.study] + (["--storage", args.storage] if args.storage else [])

@@ -28,8 +28,8 @@ What a runner is given:
 - `budget` — `Budget`: the study's total of COMPLETE + PRUNED trials to reach (every worker's count) and the wall
   clock after which no trial starts (`--timeout`).
 
-What every runner keeps (the contract; sweeps/study.py `TrialLoop` does most of it for a runner that asks its
-trials through it):
+What every runner keeps (the contract; sweeps/study.py `optimize` and `AskTell` do most of it for a runner that
+asks its trials through them):
 
 1. A trial is an Optuna trial of `study`, asked when the study has room for it (done + running < total) and
    before the deadline, its values suggested define-by-run from `sweep.space` (sweeps/study.py `prepare_trial`).

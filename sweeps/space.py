@@ -40,11 +40,12 @@ The choices, on purpose:
   runs to its last step and is judged by its objective alone (bench/collapse_pruning.py's
   baseline arm).
 - `concurrent_trials: N` makes each worker run N trials at a time in its one process, as LoRA adapters over one
-  shared frozen base model whose rollouts are sampled in one engine call (trainer/multi.py; flows/sweep.py
-  `run_concurrent` says what else differs from one trial at a time). A sweep that cannot run so — the vllm engine,
-  `rollout.max_off_policy_steps` > 0, a `data.environment`, full fine-tuning (`lora.enabled: false`) in the base
-  spec or anywhere in the space — is refused when the file is loaded (`check_concurrent_sweep`), before any
-  study or model exists. It is not part of the study's definition: a resume may change it.
+  shared frozen base model whose rollouts are sampled in one engine call (trainer/multi.py;
+  flows/trials/concurrent.py says what else differs from one trial at a time). A sweep that cannot run so — the
+  vllm engine, `rollout.max_off_policy_steps` > 0, a `data.environment`, full fine-tuning (`lora.enabled:
+  false`) in the base spec or anywhere in the space — is refused when the file is loaded
+  (`check_concurrent_sweep`), before any study or model exists. It is not part of the study's definition: a
+  resume may change it.
 """
 
 from __future__ import annotations

@@ -39,7 +39,6 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +50,7 @@ from optuna.trial import FrozenTrial, TrialState
 from tasks.summary import PipelineResult
 
 from .pruning import TrialPruning, verdict
+from .runner import RunnerReport
 from .space import SweepError, SweepSpec, suggest, trial_spec
 
 DONE = (TrialState.COMPLETE, TrialState.PRUNED)
@@ -340,13 +340,6 @@ class SweepWorkerError(RuntimeError):
     pass
 
 
-@dataclass
-class WorkerReport:
-    ran: list[int] = field(default_factory=list)
-    states: dict[int, str] = field(default_factory=dict)
-    timed_out: bool = False
-
-
 def optimize(
     study: optuna.Study,
     objective: Callable[[optuna.Trial], float | Sequence[float]],
@@ -356,7 +349,7 @@ def optimize(
     poll_s: float | None = None,
     log: Callable[[str], None] = print,
     timeout_s: float | None = None,
-) -> WorkerReport:
+) -> RunnerReport:
     """Run trials until the study holds `n_trials` (default: its stored total) COMPLETE + PRUNED trials,
     counting every worker's. Returns what this worker ran.
 
@@ -368,7 +361,7 @@ def optimize(
     `report.timed_out` says the loop ended for it."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     total = n_trials if n_trials is not None else target(study)
-    report = WorkerReport()
+    report = RunnerReport()
     tally = _Tally(report, max_consecutive_failures)
     no_room = MaxTrialsCallback(total, states=(*DONE, TrialState.RUNNING))
 
@@ -393,7 +386,7 @@ def optimize(
     return _until_done(study, total, deadline, poll_s, log, report, run_some)
 
 
-def _until_done(study, total: int, deadline, poll_s, log, report: WorkerReport, run_some) -> WorkerReport:
+def _until_done(study, total: int, deadline, poll_s, log, report: RunnerReport, run_some) -> RunnerReport:
     """Call `run_some()` while the study lacks its total and the budget lasts; while the rest of the total is running
     elsewhere, wait for it (it may still fail and leave room). Trials whose worker went silent are failed first."""
     poll = poll_s or float(getattr(study._storage, "heartbeat_interval", None) or 5)
@@ -434,7 +427,7 @@ class _Tally:
     """Study callback: what this worker ran, and a stop after `limit` failed trials in a row (surplus trials,
     which never ran, are not counted)."""
 
-    def __init__(self, report: WorkerReport, limit: int):
+    def __init__(self, report: RunnerReport, limit: int):
         self.report, self.limit, self.failures, self.error = report, limit, 0, None
 
     def __call__(self, study: optuna.Study, frozen: FrozenTrial) -> None:
@@ -486,12 +479,12 @@ class AskTell:
         self.study, self.callbacks, self.log, self.poll_s = study, list(callbacks), log, poll_s
         self.total = n_trials if n_trials is not None else target(study)
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        self.report = WorkerReport()
+        self.report = RunnerReport()
         self.tally = _Tally(self.report, max_consecutive_failures)
         self.interrupted: str | None = None  # a trial was stopped by a signal: no new trial, the loop ends after
         self.heartbeats = _Heartbeats(study)
 
-    def run(self, batch: Callable[[Iterator[optuna.Trial]], None]) -> WorkerReport:
+    def run(self, batch: Callable[[Iterator[optuna.Trial]], None]) -> RunnerReport:
         """`batch(self.asked())` — which runs the trials it pulls and tells each — until the study has its total or
         the budget is spent; SweepWorkerError after too many failures in a row, KeyboardInterrupt after a trial was
         interrupted by a signal."""

@@ -209,3 +209,37 @@ def test_only_the_recorder_imports_mlflow():
         )
     )
     assert set(importers) <= RECORDER, importers
+
+
+# ── the sweep's runners read the pipeline's public surface ────────────────────────────────────────────
+
+
+def imported_names(path: Path) -> list[tuple[str, str]]:
+    """(module, name) of each `from module import name` in the file, at any depth."""
+    return [
+        (node.module, alias.name)
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+        for alias in node.names
+    ]
+
+
+def test_the_sweep_and_its_trial_runners_use_only_public_names_of_the_pipeline():
+    """flows/sweep.py and the runners (flows/trials/) share the stages through flows/stages.py, and run a trial's
+    pipeline only through the flow itself (`run_pipeline`); no module of the project imports another's private
+    (underscored) name."""
+    runners = [REPO / "flows" / "sweep.py", *sorted((REPO / "flows" / "trials").glob("*.py"))]
+    for path in runners:
+        from_pipeline = {name for module, name in imported_names(path) if module == "flows.pipeline"}
+        assert from_pipeline <= {"run_pipeline"}, (path, from_pipeline)
+    private = [
+        f"{path.relative_to(REPO)}: {module}.{name}"
+        for path in project_modules().values()
+        for module, name in imported_names(path)
+        if module.split(".")[0] in PACKAGES and name.startswith("_") and name != "__version__"
+    ]
+    assert not private, private
+
+
+def test_flows_sweep_py_reads_as_its_sequence_in_under_300_lines():
+    assert len((REPO / "flows" / "sweep.py").read_text().splitlines()) < 300

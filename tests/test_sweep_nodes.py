@@ -184,7 +184,7 @@ def test_local_nodes_reach_this_machines_sqlite_and_loopback_database():
 
 
 def test_a_skypilot_worker_is_a_task_skypilot_accepts_running_the_sweep_worker_with_node_placement(tmp_path):
-    from flows.sweep import NODE_ENV, worker_node
+    from flows.trials.workers import NODE_ENV, worker_node
     from infra.compute import SkyPilotCompute, sky_task
     from tasks.spec import load_spec
 
@@ -256,7 +256,7 @@ def test_the_summary_sums_worker_nodes_and_trials_own_nodes_and_says_which_had_n
 def test_a_trials_own_train_stage_node_is_kept_on_the_trial_from_its_mlflow_run(tmp_path):
     from types import SimpleNamespace
 
-    from flows.sweep import keep_trial_usage
+    from flows.trials.sequential import keep_trial_usage
     from infra.compute import Usage
     from tasks.remote import record_usage
     from tasks.spec import load_spec
