@@ -3,6 +3,7 @@
     python3 -m tasks.remote train --spec NODE_SPEC.yaml --run-id RUN_ID              # on the node: the Compute
     python3 -m tasks.remote probe --spec NODE_SPEC.yaml --run-id RUN_ID --step 6     # runs each stage as the
     python3 -m tasks.remote eval  --spec NODE_SPEC.yaml --run-id RUN_ID --step 6     # flow reaches it
+    python3 -m tasks.remote --job JOB.json                     # the same as a typed job (NodeJob): a launcher's ranks
 
 The flow (flows/pipeline.py) has opened the MLflow run; the node trains *that* run. Its spec is the run's, with
 the tracking and artifact store resolved to the ones the flow uses and the project folder the node's own
@@ -43,7 +44,7 @@ import re
 import sys
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -118,6 +119,46 @@ class Node:
 
     def command(self, stage: str, *args: str) -> list[str]:
         return stage_command(self.python, self.spec_file, self.run_id, stage, *args)
+
+
+@dataclass(frozen=True)
+class NodeJob:
+    """What a node's process is to do, the whole of it: the stage, the node spec, the run, the checkpoint steps
+    (probe: each; eval: one) and, for a rank the node's launcher started under torchrun (`prepared`), that the run
+    directory is already restored and where the launcher put a fork's checkpoint. The stage commands build one
+    from their arguments; the launcher hands its ranks one as a JSON file (`--job FILE`). Nothing else is read
+    from the environment but torchrun's RANK."""
+
+    stage: Literal["train", "probe", "eval"]
+    spec: str  # the node spec (node_spec) as YAML, as the node reads it
+    run_id: str
+    steps: tuple[int, ...] = ()
+    prepared: bool = False  # one of the ranks: the launcher restored the run directory they share
+    fork_checkpoint: str | None = None  # a fork's first start: the checkpoint the launcher fetched and verified
+
+    def write(self, path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self)))
+        return path
+
+    @classmethod
+    def read(cls, path: str | Path) -> NodeJob:
+        """The job in a JSON file; InputError (one line) for a file that is not one."""
+        try:
+            fields = json.loads(Path(path).read_text())
+            job = cls(**{**fields, "steps": tuple(fields.get("steps") or ())})
+        except (OSError, ValueError, TypeError) as e:
+            raise InputError(
+                f"--job {path}: not a node job file ({type(e).__name__}: {e}); the node's launcher "
+                "writes it — run a stage with `train|probe|eval --spec FILE --run-id ID`"
+            ) from None
+        if job.stage not in STAGES:
+            raise InputError(f"--job {path}: stage {job.stage!r} is none of {', '.join(STAGES)}")
+        return job
+
+    @property
+    def step(self) -> int:
+        return self.steps[0]
 
 
 class NodeStageFailed(RuntimeError):
@@ -409,8 +450,27 @@ STAGES = {"train": "train", "probe": "artifact-probe", "eval": "eval"}  # subcom
 
 
 def main(argv: list[str] | None = None) -> int:
+    job = parse_job(argv)
+    spec = load_spec(job.spec)
+    store = open_store(store_uri(spec))
+    state = f"{node_prefix(job.run_id)}/{STAGES[job.stage]}.json"
+    store.write_text(state, json.dumps({"state": "running"}))
+    try:
+        code = run_node_stage(spec, job)
+    except Exception as e:  # recorded for the flow, which raises it again: the line a local run shows
+        if not isinstance(e, tuple(NODE_ERRORS.values())):  # a known one is the flow's line alone, as locally
+            traceback.print_exc()  # an unexpected error: its traceback in the node's log (Prefect's run log)
+        store.write_text(state, json.dumps({"state": "failed", "error": type(e).__name__, "message": str(e)}))
+        return 1
+    store.write_text(state, json.dumps({"state": "done"}))
+    return code
+
+
+def parse_job(argv: list[str] | None) -> NodeJob:
+    """The node's job: from a stage command's arguments, or a job file (`--job FILE`, what a launcher's ranks get)."""
     parser = argparse.ArgumentParser(prog="python3 -m tasks.remote", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="stage", required=True)
+    parser.add_argument("--job", help="a node job (NodeJob) as a JSON file, instead of a stage and its arguments")
+    sub = parser.add_subparsers(dest="stage")
     helps = {
         "train": "train an opened MLflow run, resuming from the store",
         "probe": "probe the run's stored checkpoints at --step (repeatable)",
@@ -421,34 +481,29 @@ def main(argv: list[str] | None = None) -> int:
         stage.add_argument("--spec", required=True, help="the node spec (node_spec) as YAML")
         stage.add_argument("--run-id", required=True)
         if name != "train":
-            stage.add_argument("--step", type=int, required=True, action="append" if name == "probe" else "store")
+            stage.add_argument("--step", type=int, required=True, action="append")
     args = parser.parse_args(argv)
-    spec = load_spec(args.spec)
-    store = open_store(store_uri(spec))
-    state = f"{node_prefix(args.run_id)}/{STAGES[args.stage]}.json"
-    store.write_text(state, json.dumps({"state": "running"}))
-    try:
-        code = run_node_stage(spec, args)
-    except Exception as e:  # recorded for the flow, which raises it again: the line a local run shows
-        if not isinstance(e, tuple(NODE_ERRORS.values())):  # a known one is the flow's line alone, as locally
-            traceback.print_exc()  # an unexpected error: its traceback in the node's log (Prefect's run log)
-        store.write_text(state, json.dumps({"state": "failed", "error": type(e).__name__, "message": str(e)}))
-        return 1
-    store.write_text(state, json.dumps({"state": "done"}))
-    return code
+    if args.job:
+        try:
+            return NodeJob.read(args.job)
+        except InputError as e:
+            parser.exit(2, f"{e}\n")
+    if not args.stage:
+        parser.error("give a stage (train, probe or eval) or --job FILE")
+    return NodeJob(args.stage, args.spec, args.run_id, tuple(getattr(args, "step", None) or ()))
 
 
-def run_node_stage(spec, args) -> int:
+def run_node_stage(spec, job: NodeJob) -> int:
     """One stage on this node; its exit status (a preemption's signal for an interrupted train stage)."""
-    if args.stage == "probe":
-        probe_node(spec, args.run_id, args.step)
+    if job.stage == "probe":
+        probe_node(spec, job.run_id, job.steps)
         return 0
-    if args.stage == "eval":
-        eval_node(spec, args.run_id, args.step)
+    if job.stage == "eval":
+        eval_node(spec, job.run_id, job.step)
         return 0
     if spec.infra.nproc_per_node * spec.infra.num_nodes > 1:
-        return train_ranks(spec, args)
-    return stage_exit(train_node(spec, args.run_id), args.run_id)
+        return train_ranks(spec, job)
+    return stage_exit(train_node(spec, job.run_id), job.run_id)
 
 
 def stage_exit(outcome: TrainOutcome, run_id: str, say: bool = True) -> int:
@@ -464,36 +519,31 @@ def stage_exit(outcome: TrainOutcome, run_id: str, say: bool = True) -> int:
     return 0
 
 
-RANK_OF = "BALLAST_NODE_RANKS"  # set by this node's launcher for the ranks it starts: the directory is prepared
-FORK_OF = "BALLAST_NODE_FORK"  # and where it put a fork's checkpoint, on a fork's first start
-
-
-def train_ranks(spec, args) -> int:
+def train_ranks(spec, job: NodeJob) -> int:
     """The train stage as infra.nproc_per_node ranks on this node (of infra.num_nodes, from SkyPilot's environment):
-    the launcher prepares the run directory once, then each rank runs this stage again under torchrun; rank 0
-    records. A rank's failure is one line naming it, and its exit status the stage's."""
+    the launcher prepares the run directory once, then runs each rank under torchrun with a job that says so
+    (`prepared`, and the fork's checkpoint it fetched); rank 0 records. A rank's failure is one line naming it, and
+    its exit status the stage's."""
     from tasks.ranks import launch, node_launch
     from tasks.record import RunRecorder, Tracking
 
     tracking = Tracking(spec)
-    source = tracking.fork_source_of(args.run_id)
-    run = RunRecorder(tracking, spec, args.run_id, source, resumed=True)
-    if os.environ.get(RANK_OF):  # one of the ranks: the launcher restored the directory
-        if os.environ.get(FORK_OF):
-            source.checkpoint = Checkpoint.open(os.environ[FORK_OF], verify=False)  # the launcher verified it
+    source = tracking.fork_source_of(job.run_id)
+    run = RunRecorder(tracking, spec, job.run_id, source, resumed=True)
+    if job.prepared:  # one of the ranks: the launcher restored the directory
+        if job.fork_checkpoint:
+            source.checkpoint = Checkpoint.open(job.fork_checkpoint, verify=False)  # the launcher verified it
         found = list_checkpoints(run.output_dir / "checkpoints")
         restored = found[-1][0] if found else None
-        outcome = train_prepared(spec, args.run_id, run, source, restored)
-        return stage_exit(outcome, args.run_id, say=os.environ.get("RANK", "0") == "0")
+        outcome = train_prepared(spec, job.run_id, run, source, restored)
+        return stage_exit(outcome, job.run_id, say=os.environ.get("RANK", "0") == "0")
     where = node_launch(dict(os.environ))
-    prepare_node(spec, args.run_id, run, source)  # every node its own disk: each node's launcher restores its copy
-    os.environ[RANK_OF] = "1"
-    if source.checkpoint is not None:
-        os.environ[FORK_OF] = str(source.checkpoint.path)
+    prepare_node(spec, job.run_id, run, source)  # every node its own disk: each node's launcher restores its copy
+    fork = str(source.checkpoint.path) if source.checkpoint is not None else None
+    ranks = replace(job, prepared=True, fork_checkpoint=fork).write(run.cache_dir / "node-job.json")
     nproc = spec.infra.nproc_per_node
     print(f"node: {nproc} rank(s) here, {nproc * spec.infra.num_nodes} in all", flush=True)
-    argv = ["-m", "tasks.remote", "train", "--spec", args.spec, "--run-id", args.run_id]
-    return launch(nproc, argv, log=sys.stdout, **where)
+    return launch(nproc, ["-m", "tasks.remote", "--job", str(ranks)], log=sys.stdout, **where)
 
 
 def node_name(spec_name: str, run_id: str) -> str:

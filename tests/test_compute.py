@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from infra.compute import STAGE_PID, ComputeError, LocalCompute, check_placement, sky_task
 from tasks.remote import LineRelay, NodeStageFailed, node_error, node_name, plan_skypilot
 from tasks.spec import load_spec
-from tests.conftest import tiny_spec
+from tests.conftest import REPO, tiny_spec
 from trainer.checkpoint import step_dir_name
 from trainer.loop import Callbacks
 
@@ -201,6 +201,32 @@ def test_a_two_rank_train_stage_on_the_node_equals_the_one_rank_run(tiny_model, 
     assert result.eval.keys() == alone.eval.keys() and result.eval["eval/reward"] == pytest.approx(
         alone.eval["eval/reward"]
     )
+
+
+def test_a_node_job_is_the_stage_commands_arguments_and_reads_back_from_its_file(tmp_path):
+    """A node's process takes a typed job: the stage command's arguments and the launcher's job file for its ranks
+    (prepared, the fork's checkpoint) are one NodeJob; nothing is read from the environment."""
+    from tasks.remote import NodeJob, parse_job
+
+    assert parse_job(["probe", "--spec", "n.yaml", "--run-id", "abc", "--step", "3", "--step", "6"]) == NodeJob(
+        "probe", "n.yaml", "abc", (3, 6)
+    )
+    assert parse_job(["eval", "--spec", "n.yaml", "--run-id", "abc", "--step", "6"]).step == 6
+    ranks = NodeJob("train", "n.yaml", "abc", prepared=True, fork_checkpoint="/cache/fork/step-000004")
+    assert parse_job(["--job", str(ranks.write(tmp_path / "job.json"))]) == ranks
+
+
+def test_a_bad_node_job_file_is_one_line_and_exit_2(tmp_path):
+    (tmp_path / "job.json").write_text('{"stage": "train", "spec": "n.yaml"}')
+    done = subprocess.run(
+        [sys.executable, "-m", "tasks.remote", "--job", str(tmp_path / "job.json")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().startswith(f"--job {tmp_path / 'job.json'}: not a node job file"), done.stderr
 
 
 def test_a_nodes_error_is_raised_again_as_its_class_where_the_flow_knows_it():
