@@ -125,61 +125,65 @@ def sync(device: torch.device) -> None:
 # ── Ballast ───────────────────────────────────────────────────────────────────────────────────────────
 
 
+def ballast_config(s: Settings, model_path: Path, device: torch.device, mode: str, total_steps: int):
+    """Ballast's TrainerConfig for these settings (the table in the module docstring)."""
+    from trainer.config import (
+        CheckpointConfig,
+        DataConfig,
+        EvalConfig,
+        GRPOConfig,
+        HealthConfig,
+        LoraConfig,
+        ModelConfig,
+        OptimConfig,
+        RewardConfig,
+        RolloutConfig,
+        TrainerConfig,
+    )
+
+    return TrainerConfig(
+        model=ModelConfig(name_or_path=str(model_path), device=str(device), dtype=s.dtype),
+        lora=LoraConfig(r=s.lora_r, alpha=s.lora_alpha, dropout=s.lora_dropout, target_modules=list(s.target_modules)),
+        data=DataConfig(source="arith", num_prompts=s.num_prompts, seed=s.seed),
+        rewards=[RewardConfig(name="exact_answer")],
+        grpo=GRPOConfig(
+            num_generations=s.num_generations,
+            prompts_per_step=s.prompts_per_step,
+            beta=s.beta,
+            loss_type=s.loss_type,
+            epsilon=s.epsilon,
+            scale_rewards=s.scale_rewards,
+            num_iterations=1,
+        ),
+        rollout=RolloutConfig(
+            engine="hf",
+            temperature=s.temperature,
+            max_tokens=s.max_tokens,
+            seed=s.seed,
+            compile_decode=s.compile_decode,
+            min_tokens=s.max_tokens if mode == "fixed64" else 0,
+        ),
+        optim=OptimConfig(
+            steps=total_steps,
+            learning_rate=s.learning_rate,
+            adam_beta1=s.adam_betas[0],
+            adam_beta2=s.adam_betas[1],
+            weight_decay=0.0,
+            schedule="constant",
+            max_grad_norm=s.max_grad_norm,
+            seed=s.seed,
+        ),
+        checkpoint=CheckpointConfig(every=total_steps + 1),
+        health=HealthConfig(enabled=False),  # fixed64 would trip clipped_ratio_max: every completion hits max
+        eval=EvalConfig(every=0),
+    )
+
+
 class BallastRunner:
     def __init__(self, s: Settings, model_path: Path, device: torch.device, mode: str, total_steps: int, workdir: Path):
-        from trainer.config import (
-            CheckpointConfig,
-            DataConfig,
-            EvalConfig,
-            GRPOConfig,
-            HealthConfig,
-            LoraConfig,
-            ModelConfig,
-            OptimConfig,
-            RewardConfig,
-            RolloutConfig,
-            TrainerConfig,
-        )
         from trainer.loop import GRPOTrainer
 
-        cfg = TrainerConfig(
-            model=ModelConfig(name_or_path=str(model_path), device=str(device), dtype=s.dtype),
-            lora=LoraConfig(
-                r=s.lora_r, alpha=s.lora_alpha, dropout=s.lora_dropout, target_modules=list(s.target_modules)
-            ),
-            data=DataConfig(source="arith", num_prompts=s.num_prompts, seed=s.seed),
-            rewards=[RewardConfig(name="exact_answer")],
-            grpo=GRPOConfig(
-                num_generations=s.num_generations,
-                prompts_per_step=s.prompts_per_step,
-                beta=s.beta,
-                loss_type=s.loss_type,
-                epsilon=s.epsilon,
-                scale_rewards=s.scale_rewards,
-                num_iterations=1,
-            ),
-            rollout=RolloutConfig(
-                engine="hf",
-                temperature=s.temperature,
-                max_tokens=s.max_tokens,
-                seed=s.seed,
-                compile_decode=s.compile_decode,
-                min_tokens=s.max_tokens if mode == "fixed64" else 0,
-            ),
-            optim=OptimConfig(
-                steps=total_steps,
-                learning_rate=s.learning_rate,
-                adam_beta1=s.adam_betas[0],
-                adam_beta2=s.adam_betas[1],
-                weight_decay=0.0,
-                schedule="constant",
-                max_grad_norm=s.max_grad_norm,
-                seed=s.seed,
-            ),
-            checkpoint=CheckpointConfig(every=total_steps + 1),
-            health=HealthConfig(enabled=False),  # fixed64 would trip clipped_ratio_max: every completion hits max
-            eval=EvalConfig(every=0),
-        )
+        cfg = ballast_config(s, model_path, device, mode, total_steps)
         self.trainer = GRPOTrainer(cfg, workdir / "ballast", progress=False)
         self.device, self.step = device, 0
         self.records: list[StepRecord] = []
