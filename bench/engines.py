@@ -12,7 +12,7 @@ the weight sync costs per step: the adapter pushed and loaded, and of that the s
     python bench/engines.py                              # CPU, 6 steps each (~3 min on 2 cores)
     python bench/engines.py --device cuda                # trainer and vLLM on the same GPU
     python bench/engines.py --device cuda --rollout-device cuda:1     # the split: trainer GPU 0, vLLM GPU 1
-    python bench/engines.py --model .ballast/test-cache/tiny-arith-XXXX --steps 10 --set grpo.prompts_per_step=16
+    python bench/engines.py --model trainer/assets/tiny-arith --steps 10 --set grpo.prompts_per_step=16
 
 The vLLM environment comes from rollout.vllm_python / --vllm-python, else .ballast/vllm-venv
 (`ballast vllm-env`). Timings are wall-clock on whatever else the machine is doing: a benchmark, not a test.

@@ -26,7 +26,7 @@ one in fp32 on the GPU (the trained tiny model given by --tiny; the random model
 and decoding speed alone: `model.generate` token by token, Ballast's eager static-cache loop, its compiled loop.
 Each part runs in its own process and prints its result as a JSON line when it ends.
 
-    python bench/gpu_step.py --tiny .ballast/test-cache/tiny-arith-XXXX
+    python bench/gpu_step.py --tiny trainer/assets/tiny-arith
     python bench/gpu_step.py --steps 5 --warmup 2 --max-tokens 256 --frameworks ballast trl
     python bench/gpu_step.py --checks parity-random decode --frameworks ballast trl
 

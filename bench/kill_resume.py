@@ -160,7 +160,7 @@ def main() -> int:
     from moto.server import ThreadedMotoServer
 
     from flows.runtime import free_port
-    from tests.conftest import tiny_model_path
+    from trainer.tiny import SHIPPED
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log
     work = Path(args.work)
@@ -184,7 +184,7 @@ def main() -> int:
     )
     bucket = "ballast-kill-resume"
     s3.create_bucket(Bucket=bucket)
-    model = str(tiny_model_path())
+    model = str(SHIPPED)
     try:
         reference, seconds = reference_run(work, model, args.steps, bucket, env)
         print(f"reference run: {seconds:.0f} s from its first step to its end; {args.kills} runs killed in that window")

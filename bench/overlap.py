@@ -18,7 +18,7 @@ staleness; the training reward (mean of the last 10 steps) and held-out reward a
 ratio of seconds per step, synchronous / this.
 
     python bench/overlap.py                                   # CPU, quickstart, k = 0 1 2
-    python bench/overlap.py --steps 20 --ks 0 1 --model .ballast/test-cache/tiny-arith-XXXX
+    python bench/overlap.py --steps 20 --ks 0 1 --model trainer/assets/tiny-arith
     python bench/overlap.py --set model.torch_threads=1       # the trainer on one core, the server on the rest
     python bench/overlap.py --split-cores --ks 0 1            # trainer and server each pinned to half the cores
 

@@ -9,7 +9,7 @@ then a backward of the masked sum; the LoRA adapter (r 16, all linear layers) ge
 through the model (rows x width), seconds per forward + backward (median of --repeats after one warm-up), peak
 GPU memory on a GPU, and the largest logprob difference between the two.
 
-    python bench/packing.py --model .ballast/test-cache/tiny-arith-XXXX
+    python bench/packing.py --model trainer/assets/tiny-arith
     python bench/packing.py --model /path/to/smollm2 --max-tokens 256 --threads 2
     python bench/packing.py --model random-llama --dtype bfloat16 --min-tokens 32 --max-tokens 256   # a GPU
 

@@ -1,7 +1,7 @@
 """Seconds per GRPO step: Ballast's trainer against TRL's `GRPOTrainer`, same model, task and settings, one run.
 
-Both frameworks train the offline tiny arithmetic model (`tests.conftest.tiny_model_path()`, cached under
-.ballast/test-cache) on the same `arith` prompts with the same reward, and one *step* is the same work
+Both frameworks train the offline tiny arithmetic model (the shipped one, `trainer/assets/tiny-arith`,
+as the tests use it) on the same `arith` prompts with the same reward, and one *step* is the same work
 on both sides: 8 prompts x 8 completions = 64 completions sampled in-process with the HF model (TRL:
 `generate`; Ballast: its HF engine's own sampling loop, the same transformers logits processors), rewarded,
 group-normalised, and ONE optimizer step on them. The settings, and how each side is told:
@@ -503,9 +503,9 @@ def main() -> None:
     if args.model:
         model_path = Path(args.model).absolute()
     else:
-        from tests.conftest import tiny_model_path
+        from trainer.tiny import SHIPPED
 
-        model_path = tiny_model_path()
+        model_path = SHIPPED
     s = Settings()
 
     started = time.perf_counter()

@@ -1,16 +1,13 @@
 """Shared fixtures: the moto S3 server (tests/s3_fixtures.py) and the tiny offline model.
 
-The tiny model is built once (the real recipe, warm-up included, ~1 minute on 2 cores) and cached
-under .ballast/test-cache/, keyed by the recipe, so later sessions reuse it; a file lock lets several
-pytest processes share the build. It is loaded through from_pretrained like any Hugging Face model.
+The tiny model is the one shipped in trainer/assets/tiny-arith/ (built once by scripts/build_tiny_model.py), so
+every machine tests the same bits; it is loaded through from_pretrained like any Hugging Face model, from where it
+lies (tests never write into it).
 """
 
-import fcntl
-import hashlib
 import json
 import shutil
 import uuid
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -20,23 +17,11 @@ pytest_plugins = ["tests.s3_fixtures", "tests.real_model_fixtures"]
 REPO = Path(__file__).resolve().parent.parent
 
 
-def tiny_model_path() -> Path:
-    from trainer.tiny import RECIPE, build_tiny_arith
-
-    key = hashlib.sha256(json.dumps(asdict(RECIPE), sort_keys=True).encode()).hexdigest()[:12]
-    cache = REPO / ".ballast" / "test-cache"
-    cache.mkdir(parents=True, exist_ok=True)
-    path = cache / f"tiny-arith-{key}"
-    with open(cache / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (path / "config.json").is_file():
-            build_tiny_arith(path, progress=False)
-    return path
-
-
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    return tiny_model_path()
+    from trainer.tiny import SHIPPED
+
+    return SHIPPED
 
 
 def perturb_lora(model, seed: int, scale: float = 0.05) -> None:

@@ -2,10 +2,12 @@
 identity and fingerprints behave; bad paths fail with the fix in the message.
 
 The model is built once for the module with a short warm-up (these tests check mechanics, not accuracy;
-the full recipe's accuracy is recorded in each build's ballast_build.json).
+the full recipe's accuracy is recorded in each build's ballast_build.json); the shipped tiny model
+(trainer/assets/tiny-arith) is checked against today's recipe and copied where a spec asks for it.
 """
 
 import json
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -23,7 +25,7 @@ from trainer.model import (
     model_identity,
     resolve_device,
 )
-from trainer.tiny import BUILD_RECORD, build_tiny_arith
+from trainer.tiny import BUILD_RECORD, RECIPE, SHIPPED, build_tiny_arith
 
 CPU = torch.device("cpu")
 LORA = LoraConfig(r=4, alpha=8)
@@ -188,7 +190,25 @@ def test_build_refuses_a_non_empty_directory(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["taken"]
 
 
-def test_ensure_model_builds_only_when_missing(tmp_path, monkeypatch):
+def test_the_shipped_tiny_model_was_built_by_todays_recipe():
+    """A change to the recipe needs `python scripts/build_tiny_model.py` (and the rebuilt files committed)."""
+    record = json.loads((SHIPPED / BUILD_RECORD).read_text())
+    assert record["recipe"] == asdict(RECIPE) and record["seed"] == 0
+
+
+def test_ensure_model_copies_the_shipped_model_once_when_missing(tmp_path, monkeypatch):
+    built = []
+    monkeypatch.setattr("trainer.tiny.build_tiny_arith", lambda path, **kwargs: built.append(path))
+    cfg = ModelConfig(name_or_path=str(tmp_path / "m"), build_if_missing="tiny-arith")
+    assert ensure_model(cfg) == cfg.name_or_path
+    copied = tmp_path / "m"
+    assert {p.name: p.read_bytes() for p in copied.iterdir()} == {p.name: p.read_bytes() for p in SHIPPED.iterdir()}
+    (copied / "marker").write_text("kept")
+    assert ensure_model(cfg) == cfg.name_or_path and (copied / "marker").read_text() == "kept"
+    assert built == [] and sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def test_ensure_model_builds_only_when_missing_and_nothing_is_shipped(tmp_path, monkeypatch):
     built = []
 
     def short_build(path, **kwargs):
@@ -196,6 +216,7 @@ def test_ensure_model_builds_only_when_missing(tmp_path, monkeypatch):
         return build_tiny_arith(path, warmup_steps=1, progress=False)
 
     monkeypatch.setattr("trainer.tiny.build_tiny_arith", short_build)
+    monkeypatch.setattr("trainer.tiny.SHIPPED", tmp_path / "not-shipped")
     cfg = ModelConfig(name_or_path=str(tmp_path / "m"), build_if_missing="tiny-arith")
     assert ensure_model(cfg) == cfg.name_or_path and (tmp_path / "m" / "config.json").is_file()
     assert ensure_model(cfg) == cfg.name_or_path and len(built) == 1

@@ -1,7 +1,10 @@
 """The offline tiny model: a real Llama checkpoint with a byte-level tokenizer, built and warmed up here.
 
 The quickstart and the tests need a model without a model hub; `build_tiny_arith` makes one, loaded
-like any Hugging Face model (`trainer/model.py`). Choices:
+like any Hugging Face model (`trainer/model.py`). It is built once and shipped as files (SHIPPED,
+trainer/assets/tiny-arith/, ~2 MB; `python scripts/build_tiny_model.py` rebuilds it when the recipe changes),
+because the warm-up's weights depend on the CPU's float kernels: the tests and the quickstart (`ensure_tiny_arith`
+copies it) then run on the same bits on every machine. Choices:
 
 - Tokenizer: byte level. 5 special tokens (`<pad>` `<s>` `</s>` `<|user|>` `<|assistant|>`, ids 0-4)
   then the 256 bytes (id = 5 + byte value), a BPE model with no merges behind a ByteLevel pre-tokenizer
@@ -11,8 +14,8 @@ like any Hugging Face model (`trainer/model.py`). Choices:
   256 positions, untied embeddings — about 0.5M parameters, a GRPO step well under a second on CPU.
 - Warm-up (see `_warm_up`): the model knows the sums (greedy ~90 % right) but samples wrong digits
   (~35 % right at T=1), so GRPO has something to sharpen. What it reached is written to `ballast_build.json`.
-- Deterministic for a seed (same bytes) on the same torch build and thread count; atomic (a temporary
-  sibling directory renamed into place), so a killed build never leaves a half model.
+- Deterministic for a seed (same bytes) on the same torch build, thread count and CPU kernels — hence shipped;
+  atomic (a temporary sibling directory renamed into place), so a killed build never leaves a half model.
 
 Build it alone: `python -m trainer.tiny /tmp/tiny-arith`.
 """
@@ -82,20 +85,34 @@ CHAT_TEMPLATE = (
 )
 ANSWER_RE = re.compile(r"^<output>(\d+)</output>$")
 BUILD_RECORD = "ballast_build.json"
+SHIPPED = Path(__file__).resolve().parent / "assets" / "tiny-arith"  # scripts/build_tiny_model.py writes it
 
 
 def ensure_tiny_arith(path: str | Path, progress: bool = True) -> None:
-    """Build the tiny model at `path` unless one is there. A tiny model built by an earlier recipe is used as
-    it is, with a warning that says how to rebuild it."""
+    """Put the tiny model at `path` unless one is there: a copy of the shipped one (SHIPPED, the same bits on every
+    machine), or a build here when the shipped one is missing or was built by another recipe. A tiny model at `path`
+    built by an earlier recipe is used as it is, with a warning that says how to rebuild it."""
     path = Path(path).expanduser()
     if not (path / "config.json").is_file():
-        build_tiny_arith(path, progress=progress)
+        if _built_recipe(SHIPPED) == asdict(RECIPE):
+            copy_shipped(path)
+        else:
+            build_tiny_arith(path, progress=progress)
     elif _built_recipe(path) not in (None, asdict(RECIPE)):
         warnings.warn(
             f"the tiny model at {path} was built by an earlier recipe (see its {BUILD_RECORD}); it may not "
             "learn as the quickstart expects — delete the directory and run again to rebuild it",
             stacklevel=3,
         )
+
+
+def copy_shipped(path: Path) -> Path:
+    """Copy the shipped tiny model's files to `path` (atomically, as a build writes it). Returns the path."""
+    path = Path(path).expanduser().absolute()
+    with atomic_directory(path) as tmp:
+        for file in SHIPPED.iterdir():
+            shutil.copyfile(file, tmp / file.name)
+    return path
 
 
 def _built_recipe(path: Path) -> dict | None:
