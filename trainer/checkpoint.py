@@ -264,10 +264,12 @@ class Checkpoint:
         saved = model_cfg.model_copy(update={"name_or_path": str(self.model_dir), "build_if_missing": None})
         return load_policy(saved, lora_cfg.model_copy(update={"enabled": False}), trainable=trainable)
 
-    def load_weights_into(self, model) -> None:
-        """Copy the saved weights into `model` (a peft model for an adapter checkpoint, else the full model)."""
+    def load_weights_into(self, model, adapter: str = "default") -> None:
+        """Copy the saved weights into `model` (a peft model for an adapter checkpoint, into its adapter `adapter`;
+        else the full model)."""
         if self.adapter_dir is not None:
-            result = set_peft_model_state_dict(model, load_file(str(self.adapter_dir / "adapter_model.safetensors")))
+            weights = load_file(str(self.adapter_dir / "adapter_model.safetensors"))
+            result = set_peft_model_state_dict(model, weights, adapter_name=adapter)
             if getattr(result, "unexpected_keys", None):
                 raise CheckpointError(
                     f"checkpoint {self.path}: adapter has unexpected weights "

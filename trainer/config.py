@@ -355,6 +355,25 @@ class RolloutCorrectionConfig(Section):
         return "off" if v is False else v
 
 
+# The knobs a schedule sets per step, by their dotted spec field: what a population schedules (trainer/pbt.py).
+SCHEDULED = {
+    "grpo.beta": "beta",
+    "optim.learning_rate": "learning_rate",
+    "rollout.repetition_penalty": "repetition_penalty",
+}
+
+
+class ScheduleSegment(Section):
+    """From `step` on (until the next segment), these values replace the spec's: the KL coefficient, the peak learning
+    rate (optim.schedule's warm-up and decay still shape it) and the rollouts' repetition penalty. A field left out
+    keeps the value in force. A population's winner replays as a run with its schedule (trainer/population.py)."""
+
+    step: int = Field(ge=1, description="The first step this segment's values apply to.")
+    beta: float | None = Field(None, ge=0, description="grpo.beta from this step on.")
+    learning_rate: float | None = Field(None, gt=0, description="optim.learning_rate (the peak) from this step on.")
+    repetition_penalty: float | None = Field(None, gt=0, description="rollout.repetition_penalty from this step on.")
+
+
 class GRPOConfig(Section):
     num_generations: int = Field(
         8, ge=2, description="G: completions sampled per prompt; advantages are normalised within each group."
@@ -442,6 +461,12 @@ class GRPOConfig(Section):
         "through the linear layers when prompt and completion lengths vary. Checked against the padded forward "
         "when training starts.",
     )
+    schedule: list[ScheduleSegment] = Field(
+        default_factory=list,
+        description="Per-step hyperparameters: segments {step, beta, learning_rate, repetition_penalty}, steps "
+        "increasing; each holds from its step until the next. Empty: the spec's values throughout. With "
+        "rollout.max_off_policy_steps k, a batch sampled ahead takes the repetition penalty in force when sampled.",
+    )
     logprob_chunk_size: int | None = Field(
         None,
         ge=1,
@@ -462,6 +487,13 @@ class GRPOConfig(Section):
     @property
     def gmpo_eps_high(self) -> float:
         return self.gmpo_epsilon if self.gmpo_epsilon_high is None else self.gmpo_epsilon_high
+
+    @model_validator(mode="after")
+    def _schedule_in_step_order(self):
+        steps = [seg.step for seg in self.schedule]
+        if steps != sorted(set(steps)):
+            raise ValueError(f"grpo.schedule steps are {steps}; give each segment its own step, in increasing order")
+        return self
 
     @model_validator(mode="after")
     def _loss_fields_act_only_with_their_loss_type(self):

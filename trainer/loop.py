@@ -137,7 +137,11 @@ class GRPOTrainer:
     ):
         """shared: a base model other trials train on too (trainer/multi.py's SharedPolicy); this trial's LoRA adapter
         is added to it under the name `adapter`, and the caller makes it the active one before each use."""
-        self.cfg, self.out = cfg, Path(output_dir)
+        # its own copy: a schedule (grpo.schedule, or a population's) sets beta, the learning rate and the repetition
+        # penalty step by step on it; the checkpoint records the spec as given (`_spec_view`), so a resume compares it
+        self.cfg, self.out = cfg.model_copy(deep=True), Path(output_dir)
+        self._spec_view, self._config_hash = _resumable_view(cfg), config_hash(cfg)
+        self.schedule: list[dict] = [seg.model_dump(exclude_none=True) for seg in cfg.grpo.schedule]
         self.callbacks, self.lineage, self.progress = list(callbacks), dict(lineage or {}), progress
         self.ckpt_root = self.out / "checkpoints"
         self.out.mkdir(parents=True, exist_ok=True)
@@ -238,7 +242,7 @@ class GRPOTrainer:
             self._truncate_records(-1)
             return None
         state = checkpoint.training_state()
-        _refuse_changed_config(state.trainer.get("config", {}), _resumable_view(self.cfg), checkpoint.path)
+        _refuse_changed_config(state.trainer.get("config", {}), self._spec_view, checkpoint.path)
         self._load_weights_and_optimizer(checkpoint, state.optimizer)
         self.scheduler.load_state_dict(state.scheduler)
         self.sampler.load_state_dict(state.trainer["sampler"])
@@ -248,6 +252,7 @@ class GRPOTrainer:
         self.lagged.extend(state.lagged)
         ckpt.restore_rng(state.rng)
         self.step = state.trainer["step"]
+        self.schedule = state.trainer.get("schedule", self.schedule)
         self.num_tokens = state.trainer.get("num_tokens", 0)
         self._truncate_records(self.step)
         return checkpoint.path
@@ -265,7 +270,7 @@ class GRPOTrainer:
 
         names = dist_checkpoint.trainable_names(self.wrapped)
         if not (self.world.distributed and self.cfg.model.parallel == "fsdp2"):
-            checkpoint.load_weights_into(self.model)
+            checkpoint.load_weights_into(self.model, self.adapter)
             self.optimizer.load_state_dict(dist_checkpoint.optimizer_by_position(optim_state, names))
             return
         from safetensors.torch import load_file
@@ -282,8 +287,34 @@ class GRPOTrainer:
         dist_checkpoint.load_whole(self.wrapped, self.optimizer, weights, optim_state)
 
     # -------------------------------------------------------------------- one step
+    def hyperparameters_at(self, step: int) -> dict[str, float]:
+        """beta, learning_rate (the peak) and repetition_penalty in force at `step`: the spec's, then each schedule
+        segment's values from its step on."""
+        hp = {
+            "beta": self._spec_view["grpo"]["beta"],
+            "learning_rate": self._spec_view["optim"]["learning_rate"],
+            "repetition_penalty": self._spec_view["rollout"]["repetition_penalty"],
+        }
+        for segment in self.schedule:
+            if segment["step"] <= step:
+                hp.update({k: v for k, v in segment.items() if k != "step" and v is not None})
+        return hp
+
+    def begin_step(self, step: int) -> None:
+        """Set the schedule's values for `step` before its rollouts are drawn (nothing to do without a schedule). The
+        learning rate is the scheduler's base: optim.schedule's warm-up and decay multiply it as before."""
+        if not self.schedule:
+            return
+        hp = self.hyperparameters_at(step)
+        self.cfg.grpo.beta, self.cfg.rollout.repetition_penalty = hp["beta"], hp["repetition_penalty"]
+        self.scheduler.base_lrs = [hp["learning_rate"]] * len(self.optimizer.param_groups)
+        for group, shape in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
+            group["initial_lr"] = hp["learning_rate"]
+            group["lr"] = hp["learning_rate"] * shape(self.scheduler.last_epoch)
+
     def train_step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
+        self.begin_step(step)
         # 1-2. prompts and rollouts: this step's batch, sampled now or (max_off_policy_steps) up to k steps ago
         with self.world.full_weights(self.wrapped):  # each rank samples its own prompts, without collectives
             sampled = self.rollouts.take(step, self.model)
@@ -534,6 +565,14 @@ class GRPOTrainer:
     ) -> tuple[str | None, Path | None]:
         """After step `step` of `total`: log its metrics, ask the health gate and the callbacks whether to stop, and
         checkpoint when it is time (or the run stops). Returns (why it stops or None, the checkpoint saved or None)."""
+        stopped = self.log_step(step, m, interrupted)
+        saved = None
+        if step % self.cfg.checkpoint.every == 0 or step == total or stopped:
+            saved = self.save()
+        return stopped, saved
+
+    def log_step(self, step: int, m: dict, interrupted: str | None = None) -> str | None:
+        """Step `step` done: its metrics logged, the health gate and the callbacks asked; why the run stops, or None."""
         self.step = step
         stopped = self.gate.update(step, m)  # the same global metrics on every rank: the same answer
         if self.world.main:  # only rank 0 records and asks the callbacks; its answer is every rank's
@@ -545,11 +584,7 @@ class GRPOTrainer:
                 cb.on_step(step, m)
             for cb in self.callbacks:
                 stopped = stopped or cb.should_stop(step, m)
-        stopped = self.world.broadcast(stopped or interrupted)
-        saved = None
-        if step % self.cfg.checkpoint.every == 0 or step == total or stopped:
-            saved = self.save()
-        return stopped, saved
+        return self.world.broadcast(stopped or interrupted)
 
     def save(self) -> Path:
         if self.world.distributed:
@@ -578,14 +613,15 @@ class GRPOTrainer:
             "sampler": self.sampler.state_dict(),
             "health_gate": self.gate.state_dict(),
             "num_tokens": self.num_tokens,
-            "config": _resumable_view(self.cfg),
+            "config": self._spec_view,
+            "schedule": self.schedule,
         }
         fingerprint = logprob_fingerprint(self.model, self.tokenizer, self.device)
         extra = {
             "base_model": model_identity(self.cfg.model),
             "code_ref": ckpt.code_ref(),
             "lineage": self.lineage,
-            "config_hash": config_hash(self.cfg),
+            "config_hash": self._config_hash,
             "fingerprint": fingerprint,
             "data_fingerprint": data_fingerprint(self.train_set),
             "lora": self._lora_as_trained(),

@@ -383,6 +383,7 @@ class ConcurrentTrials:
         served: list[tuple] = []
         for trial in running:
             step = trial.trainer.step + 1
+            trial.trainer.begin_step(step)  # its schedule's values for the step (grpo.schedule, a population's)
             indices, prompts, params = trial.trainer.rollouts.request(step)
             member = (trial, step, indices, prompts, params)
             if trial.trainer.engine is self.shared.engine:
