@@ -189,6 +189,13 @@ def _sweep_commands(command) -> None:
     )
 
     p = command(
+        "pbt", "population-based GRPO: P LoRA members over one base model, exploiting and exploring as they train"
+    )
+    p.add_argument("file", help="population YAML: a sweep file with a pbt: section (see examples/pbt.yaml)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP + ", on the base spec")
+    p.add_argument("--resume", action="store_true", help="continue the population from its last save")
+
+    p = command(
         "sweep-worker", "join an existing sweep's study and run its trials (from any machine that reaches the storage)"
     )
     p.add_argument("--study", required=True, help="study name (printed by `ballast sweep`)")

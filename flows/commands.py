@@ -673,6 +673,27 @@ def cmd_sweep(args) -> int:
     return 0 if result.n_complete else 3  # every trial pruned or failed: the sweep found nothing, as a collapsed run
 
 
+def cmd_pbt(args) -> int:
+    from flows import runtime
+    from sweeps.population import load_population
+
+    pop = load_population(args.file, args.set)  # a bad file or --set fails here, before any model or run exists
+    runtime.prestart(pop.spec().project_dir)
+    from flows.pbt import ballast_pbt
+
+    runtime.wait_until_started()
+    again = shlex.join(["ballast", "pbt", args.file, *[x for s in args.set for x in ("--set", s)], "--resume"])
+    summary = ballast_pbt(str(Path(args.file).resolve()), overrides=list(args.set), resume=args.resume)
+    if summary.interrupted:
+        print(
+            f"population interrupted ({summary.interrupted}) at step {summary.step}; saved — continue it with: {again}"
+        )
+        return 130
+    for line in summary.lines():
+        print(line)
+    return 0 if summary.winner else 3
+
+
 def _check_worker_nodes(sweep, storage: str | None) -> None:
     """Workers on provisioned nodes: a placement or study storage the nodes could not use (SQLite or a loopback
     database for SkyPilot nodes), one line, exit 2, before any study exists or anything is provisioned."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import getpass
 import json
 import tempfile
+import time
 from pathlib import Path
 
 import mlflow
@@ -177,6 +178,15 @@ class Tracking:
         items = [Param(k, v) for k, v in params.items()]
         for i in range(0, len(items), 100):
             self.client.log_batch(run_id, params=items[i : i + 100])
+
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int) -> None:
+        """Metrics of one step, in batches (a population member's step: tasks/population.py)."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        for i in range(0, len(items), 500):
+            self.client.log_batch(run_id, metrics=items[i : i + 500])
 
     def create_run(self, name: str, parent_run_id: str | None = None, tags: dict | None = None) -> str:
         run_tags = {"mlflow.runName": name, **(tags or {})}

@@ -109,7 +109,7 @@ def test_prefect_yaml_declares_pipeline_and_scheduled_regression():
     assert by_name["ballast-regression"]["schedules"][0]["cron"] == "0 3 * * *"
 
 
-DEPLOYMENTS = ("ballast-pipeline", "ballast-regression", "ballast-sweep", "ballast-sweep-worker")
+DEPLOYMENTS = ("ballast-pipeline", "ballast-regression", "ballast-sweep", "ballast-sweep-worker", "ballast-pbt")
 
 
 def test_every_deployment_is_registered_with_its_flow(deployed):
@@ -117,7 +117,9 @@ def test_every_deployment_is_registered_with_its_flow(deployed):
     assert set(deployments) == set(DEPLOYMENTS)
     for name in DEPLOYMENTS:
         assert flow_names[deployments[name].id] == name
-        module = {"ballast-pipeline": "pipeline", "ballast-regression": "regression"}.get(name, "sweep")
+        module = {"ballast-pipeline": "pipeline", "ballast-regression": "regression", "ballast-pbt": "pbt"}.get(
+            name, "sweep"
+        )
         function = "run_experiment" if name == "ballast-pipeline" else name.replace("-", "_")
         assert deployments[name].entrypoint == f"flows/{module}.py:{function}"
     assert {d.work_pool_name for d in deployments.values()} == {"ballast-local"}
@@ -130,6 +132,13 @@ def test_sweep_deployments_take_the_sweep_file_and_a_shared_study(deployed):
     properties = set(sweep.parameter_openapi_schema["properties"])
     assert {"sweep_path", "trials", "workers", "storage", "overrides", "timeout_s", "node"} == properties
     assert set(worker.parameter_openapi_schema["required"]) == {"study", "storage"}
+
+
+def test_the_population_deployment_takes_the_population_file_and_resume(deployed):
+    deployments, _ = deployed
+    pbt = deployments["ballast-pbt"]
+    assert pbt.parameters == {"file": "examples/pbt.yaml"} and pbt.schedules == []
+    assert set(pbt.parameter_openapi_schema["properties"]) == {"file", "overrides", "resume"}
 
 
 def test_regression_deployment_runs_nightly_with_its_parameters(deployed):

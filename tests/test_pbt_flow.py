@@ -1,0 +1,122 @@
+"""`ballast pbt FILE` end to end on the tiny model: the Prefect flow, the MLflow lineage (a parent run, a child run per
+member with its hyperparameters per step and a tag per replacement), the winner confirmed on the confirmation prompts,
+its replay spec, and the summary page opened in headless Chromium (a screenshot is left beside it). Bad population
+files are one line, exit 2."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from tasks.spec import validate_spec
+from tests.conftest import REPO, tiny_spec
+from tests.test_pages import CHROMIUM, FLAGS
+
+CLI = "import sys; from flows.cli import main; sys.exit(main())"
+
+
+def ballast(*args: str) -> subprocess.CompletedProcess:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") and k != "BALLAST_FAULT"}
+    return subprocess.run(
+        [sys.executable, "-c", CLI, *args], cwd=REPO, env=environment, capture_output=True, text=True, timeout=900
+    )
+
+
+def population_file(tmp: Path, model: Path, **pbt) -> Path:
+    base = tiny_spec(model, name="tiny-pbt", project_dir=str(tmp / "project"), optim={"steps": 4})
+    base["data"]["num_eval_prompts"] = 16
+    base["probe"] = {"enabled": False}
+    data = {
+        "study": "tiny-pbt",
+        "base": base,
+        "space": {
+            "grpo.beta": {"type": "float", "low": 1e-3, "high": 0.2, "log": True},
+            "optim.learning_rate": {"type": "float", "low": 3e-4, "high": 1e-2, "log": True},
+            "lora.r": {"type": "categorical", "choices": [4, 8]},
+        },
+        "objectives": [{"metric": "eval/reward", "direction": "maximize"}],
+        "confirm": {"min_prompts": 4},
+        "seed": 1,
+        "pbt": {"population": 2, "ready": 2, "quantile": 0.5, **pbt},
+    }
+    path = tmp / "pbt.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture(scope="module")
+def population(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pbt-flow")
+    done = ballast("pbt", str(population_file(tmp, tiny_model)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return tmp, done.stdout
+
+
+def test_the_population_records_a_parent_run_and_a_child_run_per_member_with_its_schedule(population):
+    tmp, _ = population
+    root = tmp / "project" / "populations" / "tiny-pbt"
+    runs = json.loads((root / "mlflow.json").read_text())
+    client = MlflowClient(f"sqlite:///{tmp / 'project' / 'mlflow.db'}")
+    parent = client.get_run(runs["parent"])
+    assert parent.data.tags["ballast.kind"] == "population" and parent.data.params["pbt.population"] == "2"
+    assert {"confirmed/winner", "confirmed/baseline", "confirmed/gain"} <= set(parent.data.metrics)
+    state = json.loads((root / "population.json").read_text())
+    for name in ("member-00", "member-01"):
+        run = client.get_run(runs[name])
+        assert run.data.tags["mlflow.parentRunId"] == runs["parent"]
+        assert [m.step for m in client.get_metric_history(runs[name], "pbt/beta")] == [1, 2, 3, 4]
+    (event,) = state["events"]
+    copied = client.get_run(runs[f"member-{event['member']:02d}"])
+    said = copied.data.tags["ballast.pbt.replaced.000002"]
+    assert said.startswith(f"from member-{event['source']:02d} (exploit)")
+    assert [m.value for m in client.get_metric_history(copied.info.run_id, "pbt/copied_from")] == [event["source"]]
+
+
+def test_the_winner_is_confirmed_on_prompts_no_ranking_read_and_its_replay_spec_carries_its_schedule(population):
+    tmp, stdout = population
+    root = tmp / "project" / "populations" / "tiny-pbt"
+    assert "confirmed on 8 confirmation prompts" in stdout
+    winner = int(stdout.split("winner member-")[1][:2])
+    final = json.loads((root / "population.json").read_text())["members"][winner]["hparams"]
+    spec = validate_spec(yaml.safe_load((root / "winner.yaml").read_text()), "winner.yaml")
+    assert spec.eval.split.part == "selection" and spec.eval.every == 2
+    assert spec.grpo.schedule[0].step == 1
+    assert spec.grpo.schedule[-1].beta == final["grpo.beta"]
+    assert spec.grpo.schedule[-1].learning_rate == final["optim.learning_rate"]
+    assert spec.lora.r == final["lora.r"]
+
+
+def test_the_summary_page_draws_the_lineage_and_the_winners_schedule_in_chromium(population):
+    from playwright.sync_api import sync_playwright
+
+    tmp, _ = population
+    page_path = tmp / "project" / "populations" / "tiny-pbt" / "pbt.html"
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        page = browser.new_page(viewport={"width": 1300, "height": 900})
+        errors = []
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.goto(page_path.as_uri())
+        assert page.locator("#lineage svg path").count() >= 2  # the winner's lineage and the replacement's arrow
+        assert page.locator("#schedule svg path").count() == 2  # beta and the learning rate
+        text = page.inner_text("body")
+        assert "member-00" in text and "exploit" in text and "winner member-" in text
+        page.screenshot(path=str(page_path.with_suffix(".png")), full_page=True)
+        browser.close()
+    assert not errors
+
+
+def test_a_space_field_a_population_cannot_schedule_is_one_line_exit_2(tiny_model, tmp_path):
+    path = population_file(tmp_path, tiny_model)
+    data = yaml.safe_load(path.read_text())
+    data["space"]["grpo.epsilon"] = {"type": "float", "low": 0.1, "high": 0.3}
+    path.write_text(yaml.safe_dump(data))
+    done = ballast("pbt", str(path))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()]
+    assert "space.grpo.epsilon" in done.stderr and "overrides" in done.stderr
