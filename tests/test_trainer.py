@@ -581,9 +581,9 @@ def test_per_prompt_seeds_draw_the_same_tokens_in_the_static_cache_loop_and_in_g
     with_generate = [c for group in engine.generate(prompts, params) for c in group]
     assert [c.token_ids for c in loop] == [c.token_ids for c in with_generate]
     for a, b in zip(loop, with_generate):
-        # two decode paths (a static KV cache and generate's dynamic one): float32 attention in another order, 1.1e-5
-        # apart on an AMX/AVX-512 Xeon (under 1e-5 on the machine this bound was first measured on)
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+        # two decode paths (a static KV cache and generate's dynamic one): float32 attention in another order; under
+        # 1e-5 on the shipped tiny model (an AMD EPYC); 1.1e-5 was seen on an AMX Xeon with a model built there
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
     assert hf._generators(None, torch.device("cpu")) is None
 
 
