@@ -1,7 +1,17 @@
 #!/usr/bin/env bash
 # The README's test command: install (idempotent, quick when already installed), lint, then the tests.
+# `--fast`: the unit tier a developer runs on every change — lint, then the tests that need no real model, server
+# process or CLI subprocess (`-m "not integration"`, marked in tests/conftest.py from what each test asks for), two
+# at a time, without the install; the slowest ten printed. Further arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+workers="${BALLAST_TEST_WORKERS:-2}"
+if [[ "${1:-}" == "--fast" ]]; then
+    shift
+    python3 -m ruff check .
+    python3 -m ruff format --check .
+    exec python3 -m pytest -q -n "$workers" --dist loadfile -m "not integration" --durations=10 "$@"
+fi
 bash scripts/install.sh
 python3 -m ruff check .            # lint (pyproject.toml [tool.ruff])
 python3 -m ruff format --check .   # and the formatter's layout
@@ -9,7 +19,6 @@ python3 -m ruff format --check .   # and the formatter's layout
 # 2 cores instead of about 35 one at a time (BALLAST_TEST_WORKERS=0). The terminal tests (a real pty, Ctrl-C, and
 # how long a stop takes) run after the others, alone: a machine busy with two other test files is not the machine
 # a user types Ctrl-C on. Test paths or -k given as arguments run as asked, in one pytest.
-workers="${BALLAST_TEST_WORKERS:-2}"
 for arg in "$@"; do
     if [[ "$arg" != -* ]] || [[ "$arg" == -k ]]; then
         exec python3 -m pytest -q -n "$workers" --dist loadfile "$@"

@@ -5,8 +5,12 @@ every machine tests the same bits; it is loaded through from_pretrained like any
 lies (tests never write into it).
 """
 
+import ast
+import inspect
 import json
+import re
 import shutil
+import textwrap
 import uuid
 from pathlib import Path
 
@@ -59,10 +63,12 @@ def tiny_spec(model_path, **sections) -> dict:
 
 # ── the `integration` marker ──────────────────────────────────────────────────────────────────────
 # A test is an integration test when it needs a real model, a server process (moto, Prefect, MLflow, vLLM,
-# PostgreSQL) or a subprocess of the CLI; `pytest -m "not integration"` runs the unit tests alone, in under a
-# minute. The marker is given here, from what each test asks for, so no test can be filed under the wrong one.
+# PostgreSQL) or a subprocess (the CLI, a node, ranks: read from its code and the module's helpers it calls);
+# `pytest -m "not integration"` (`bash scripts/test.sh --fast`) runs the unit tests alone. The marker is given here,
+# from what each test asks for and does, so no test can be filed under the wrong one.
 INTEGRATION_FIXTURES = {
     "tiny_model",
+    "built_tiny",
     "moto_server",
     "s3_bucket",
     "prefect",
@@ -170,8 +176,27 @@ def postgres_database(prefix: str):
         conn.close()
 
 
+STARTS_A_PROCESS = re.compile(r"\bsubprocess\.|\bPopen\(|\bstart_processes\(|\bpexpect\.")
+
+
+def _starts_a_process(function, module) -> bool:
+    """The test's own code, or a function of its module it calls, starts a process (the CLI, a node, ranks)."""
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return False
+    called = {n.id for n in ast.walk(ast.parse(textwrap.dedent(source))) if isinstance(n, ast.Name)}
+    helpers = [getattr(module, name) for name in called if inspect.isfunction(getattr(module, name, None))]
+    sources = [source] + [inspect.getsource(h) for h in helpers if h.__module__ == module.__name__]
+    return any(STARTS_A_PROCESS.search(text) for text in sources)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1]
-        if module in INTEGRATION_MODULES or INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if (
+            module in INTEGRATION_MODULES
+            or INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ()))
+            or _starts_a_process(getattr(item, "function", None), item.module)
+        ):
             item.add_marker(pytest.mark.integration)

@@ -32,8 +32,14 @@ LORA = LoraConfig(r=4, alpha=8)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def built_tiny(tmp_path_factory):
+    """A fresh build (a model build: integration, tests/conftest.py)."""
     return build_tiny_arith(tmp_path_factory.mktemp("tiny") / "model", seed=0, warmup_steps=30, progress=False)
+
+
+@pytest.fixture
+def tiny():
+    return SHIPPED
 
 
 def model_cfg(path) -> ModelConfig:
@@ -48,8 +54,8 @@ def logits(model, tokenizer) -> torch.Tensor:
 # ── the built directory is an ordinary Hugging Face model ──────────────────────────────────────────
 
 
-def test_build_writes_a_hugging_face_directory_and_its_record(tiny):
-    names = {p.name for p in tiny.iterdir()}
+def test_build_writes_a_hugging_face_directory_and_its_record(built_tiny):
+    names = {p.name for p in built_tiny.iterdir()}
     assert {
         "config.json",
         "model.safetensors",
@@ -59,7 +65,7 @@ def test_build_writes_a_hugging_face_directory_and_its_record(tiny):
         "special_tokens_map.json",
         BUILD_RECORD,
     } <= names
-    record = json.loads((tiny / BUILD_RECORD).read_text())
+    record = json.loads((built_tiny / BUILD_RECORD).read_text())
     assert record["seed"] == 0 and record["max_warmup_steps"] == 30 and 1 <= record["warmup_steps_done"] <= 30
     assert record["held_out_prompts"] == 64
     assert {"accuracy", "format_rate"} <= set(record["greedy"])
@@ -169,6 +175,7 @@ def test_model_identity_hashes_config_and_weights(tiny):
 # ── building: deterministic, atomic, on demand ─────────────────────────────────────────────────────
 
 
+@pytest.mark.integration  # three model builds
 def test_build_is_deterministic_for_a_seed_and_differs_across_seeds(tmp_path):
     a, b, c = (
         build_tiny_arith(tmp_path / name, seed=seed, warmup_steps=2, progress=False)
@@ -178,8 +185,8 @@ def test_build_is_deterministic_for_a_seed_and_differs_across_seeds(tmp_path):
     assert hashes[0] == hashes[1] != hashes[2]
 
 
-def test_build_is_atomic_and_leaves_no_temporary_directory(tiny):
-    assert [p.name for p in tiny.parent.iterdir()] == ["model"]
+def test_build_is_atomic_and_leaves_no_temporary_directory(built_tiny):
+    assert [p.name for p in built_tiny.parent.iterdir()] == ["model"]
 
 
 def test_build_refuses_a_non_empty_directory(tmp_path):
@@ -208,6 +215,7 @@ def test_ensure_model_copies_the_shipped_model_once_when_missing(tmp_path, monke
     assert built == [] and sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 
 
+@pytest.mark.integration  # a model build
 def test_ensure_model_builds_only_when_missing_and_nothing_is_shipped(tmp_path, monkeypatch):
     built = []
 
@@ -397,7 +405,8 @@ def _training_forward(model, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
     return sum(kept.values()), logprobs.detach()
 
 
-def test_a_float32_adapter_over_a_bf16_base_computes_in_bf16_and_keeps_no_float32_copies(tiny):
+def test_a_float32_adapter_over_a_bf16_base_computes_in_bf16_and_keeps_no_float32_copies(built_tiny):
+    tiny = built_tiny  # the bound on bf16 rounding away from peft's was measured on this build
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
     cfg = ModelConfig(name_or_path=str(tiny), device="cpu", dtype="bfloat16")
