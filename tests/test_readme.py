@@ -58,6 +58,8 @@ def runnable(line: str, project_dir) -> list[str] | None:
     if "SPEC" in line and "infra.compute=skypilot" in sets:
         sets = ON_NODES + sets
     sets = [x for w in sets for x in ("--set", w)]
+    if spec and spec[0].startswith(".ballast/"):
+        return None  # a spec an earlier command writes (a population's winner), not in a fresh clone
     if command == "run" and spec:
         return ["run", spec[0], *sets, "--dryrun", *where]
     if command in ("validate", "sweep", "train") and spec:
