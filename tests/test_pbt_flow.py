@@ -5,8 +5,10 @@ files are one line, exit 2."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -120,3 +122,34 @@ def test_a_space_field_a_population_cannot_schedule_is_one_line_exit_2(tiny_mode
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]
     assert "space.grpo.epsilon" in done.stderr and "overrides" in done.stderr
+
+
+def test_ctrl_c_saves_the_population_and_names_the_resume_command_which_finishes_it(tiny_model, tmp_path):
+    path = population_file(tmp_path, tiny_model)
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CLI, "pbt", str(path)],
+        cwd=REPO,
+        env={**environment, "BALLAST_FAULT": "hold-in-step:3"},  # step 3 waits for the signal: it lands there
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    root = tmp_path / "project" / "populations" / "tiny-pbt"
+    deadline = time.monotonic() + 900
+    while not (root / "population.json").exists():  # saved at ranking step 2; the signal then lands in step 3
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 130, err[-3000:]
+    assert f"continue it with: ballast pbt {path} --resume" in out
+    assert json.loads((root / "population.json").read_text())["step"] == 3
+    resumed = ballast("pbt", str(path), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((root / "population.json").read_text())["step"] == 4
+    runs = json.loads((root / "mlflow.json").read_text())
+    client = MlflowClient(f"sqlite:///{tmp_path / 'project' / 'mlflow.db'}")
+    for name in ("member-00", "member-01"):  # each step once in MLflow, across the interruption
+        assert [m.step for m in client.get_metric_history(runs[name], "pbt/beta")] == [1, 2, 3, 4]
