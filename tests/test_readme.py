@@ -116,3 +116,21 @@ def test_the_readme_names_exactly_what_several_ranks_refuse():
 
 def test_the_readme_does_not_say_the_node_stages_are_unbuilt():
     assert "not built yet" not in README
+
+
+@pytest.mark.parametrize(
+    "overrides, refused",
+    [
+        (["rollout.engine=offline", "data.source=tests/offline_episodes.jsonl"], "rollout.engine: offline"),
+        (["grpo.kl_ref_step_lag=2", "grpo.beta=0.05"], "grpo.kl_ref_step_lag: 2"),
+    ],
+)
+def test_several_ranks_refuse_what_the_table_names_in_one_line_with_the_fix(overrides, refused):
+    from tasks.ranks import check_ranks
+    from tasks.spec import SpecError, load_spec
+    from trainer.tiny import SHIPPED
+
+    two_ranks = [f"model.name_or_path={SHIPPED}", "model.parallel=ddp", "grpo.prompts_per_step=8"]
+    check_ranks(load_spec("examples/quickstart.yaml", two_ranks), 2, here=False)  # the quickstart runs on two ranks
+    with pytest.raises(SpecError, match=rf"^--nproc 2: {refused} does not run on several ranks yet; set "):
+        check_ranks(load_spec("examples/quickstart.yaml", two_ranks + overrides), 2, here=False)
