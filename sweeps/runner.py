@@ -11,7 +11,9 @@ recorder, budget)` → write the summary. How the trials run is the runner's; th
                                                       over one base model (trainer/multi.py)
     WorkerRunner        flows/trials/workers.py       K `ballast sweep-worker` processes here, or K worker nodes
                                                       (infra/compute.py); each runs one of the two above
-    a population (PBT)  flows/trials/population.py    members trained once, replaced by forks of better ones
+    (a population)      flows/pbt.py                  not a runner yet: `ballast pbt` trains P members once, the
+                                                      worst replaced by forks of the best (trainer/population.py),
+                                                      as its own flow with its own lineage, not an Optuna study
 
 Where it lives, on purpose: this interface is in sweeps/ — it names only the study, the sweep, the recorder and
 the budget, so a runner can be read and written against it without the flows — while the implementations live
