@@ -185,9 +185,13 @@ def _is_sweep_file(path: str) -> bool:
 def _validate_sweep(path: str, sets: list[str]) -> int:
     """`ballast validate SWEEP.yaml`: what `ballast sweep` would refuse before its first trial — the sweep file, its
     space against the spec, and its base spec (with overrides and --set) as `ballast run` would check it."""
+    import yaml
+
     from sweeps.space import load_sweep, trial_spec
     from tasks.spec import describe_run
 
+    if "pbt" in (yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}):
+        return _validate_population(path, sets)
     sweep = load_sweep(path, sets)
     spec = trial_spec(sweep, {})
     _check_new_run(spec)
@@ -197,6 +201,27 @@ def _validate_sweep(path: str, sets: list[str]) -> int:
     print(f"{path}: valid sweep — the sweep file, its space and its base spec checked; nothing was run")
     print(f"  study     {sweep.study}: {sweep.trials} trials, {objectives}, against the base model's score")
     print(f"  space     {space}")
+    for line in describe_run(spec):
+        print(f"  {line}")
+    return 0
+
+
+def _validate_population(path: str, sets: list[str]) -> int:
+    """`ballast validate POPULATION.yaml`: what `ballast pbt` would refuse before its first step."""
+    from sweeps.population import load_population
+    from tasks.spec import describe_run
+
+    pop = load_population(path, sets)
+    spec = pop.spec()
+    _check_fork(spec)
+    p = pop.pbt
+    print(f"{path}: valid population — the file, its space, its pbt section and its base spec checked; nothing was run")
+    print(
+        f"  population {pop.name}: {p.population} members, ranked every {p.ready} steps on {pop.objective}; bottom "
+        f"{p.quantile:g} copies the top, knobs x{' or x'.join(f'{f:g}' for f in p.perturb)} or resampled "
+        f"(p {p.resample_probability:g})"
+    )
+    print(f"  split      {pop.split().describe()}")
     for line in describe_run(spec):
         print(f"  {line}")
     return 0

@@ -153,3 +153,12 @@ def test_ctrl_c_saves_the_population_and_names_the_resume_command_which_finishes
     client = MlflowClient(f"sqlite:///{tmp_path / 'project' / 'mlflow.db'}")
     for name in ("member-00", "member-01"):  # each step once in MLflow, across the interruption
         assert [m.step for m in client.get_metric_history(runs[name], "pbt/beta")] == [1, 2, 3, 4]
+
+
+def test_validate_checks_a_population_file_as_ballast_pbt_would_without_running_it():
+    done = ballast("validate", "examples/pbt.yaml")
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("examples/pbt.yaml: valid population")
+    assert "8 members, ranked every 5 steps on eval/reward" in lines[1]
+    assert "64 selection prompts" in lines[2]
