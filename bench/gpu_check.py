@@ -9,26 +9,28 @@ built on the spot in bf16. The settings are bench/gpu_step.py's: 8 prompts x 8 c
 (eos suppressed), LoRA r 16 on the seven projections, beta 0.04, one optimizer step per step.
 
 Sections, each in its own child process (so each peak memory is its own and one failure leaves the rest), in
-this order, under one time budget (--budget-s, default 450 s: a section that would not fit is skipped, TRL
-first):
+this order, under one time budget (--budget-s, default 470 s: a measurement that would not fit is skipped, the
+last decode measurements and TRL first):
 
 1. **ballast**: GRPO steps (1 warm-up, where the compile falls, + 3 timed): s/step, rollout and update seconds,
    peak GPU memory (torch max allocated), update MFU = 4N x rows x (prompt + completion tokens) / (update s x the
    GPU's dense bf16 peak), N the parameters in matmuls (LoRA weight gradients neglected); wall MFU counts 8N
-   (generation 2N, reference 2N, forward + backward 4N). Then, on the same trainer's engine (its compiled decode),
-   the decode alone: ms per token step at 64 and 256 rows x 256 tokens (whole generate call / tokens, prefill
-   included), against the HBM bound: the matmul weights' bytes / the memory bandwidth (H100 SXM 3.35 TB/s, H200
-   4.8 TB/s, from the device name), and weights + the static KV cache the attention reads each step.
+   (generation 2N, reference 2N, forward + backward 4N). Then the decode alone, ms per token step at 64 and 256
+   rows x 256 tokens (whole generate call / tokens, prefill included), on the trainer's own engine (its compiled
+   step, eager sampling) and on an engine over the same model that draws inside the compiled step
+   (`fused_sampling`, trainer/engines/fused.py), in the order 64 default, 64 fused, 256 fused, 256 default; against
+   the HBM bound: the matmul weights' bytes / the memory bandwidth (H100 SXM 3.35 TB/s, H200 4.8 TB/s, from the
+   device name), and weights + the static KV cache the attention reads each step.
 2. **trials**: concurrent LoRA trials (trainer/multi.py) at N = 1, 2, 4, each 4 trials of 2 steps (4 prompts x 8
    completions of 32 tokens) + an eval of 8 prompts: trials per hour and peak GPU memory, N = 1 being one trial at
    a time over the same shared model. The trials decode eagerly (rollout.compile_decode: never): the concurrent
    path's per-row adapters are outside the compiled step today, and one compile per row count would not fit.
-3. **trl**: TRL's GRPOTrainer at the same settings (1 warm-up + 2 timed steps): s/step and peak memory.
+3. **trl**: TRL's GRPOTrainer at the same settings (1 warm-up + 1 timed step): s/step and peak memory.
 
 The table goes to stdout and, when $OUT is set, to $OUT/gpu_check.txt; each child's raw result is printed as a
 JSON line as it ends, so a later failure loses nothing.
 
-    bash bench/gpu_check.sh                 # on the GPU (~6-7 min on an H100)
+    bash bench/gpu_check.sh                 # on the GPU (at most ~8 min)
     bash bench/gpu_check.sh --cpu-smoke     # every section with a 2-layer model on CPU, to check the script (~2 min)
 """
 
@@ -75,13 +77,13 @@ class Plan:
     trial_tokens: int = 32
     trial_eval_prompts: int = 8
     trl_warmup: int = 1
-    trl_steps: int = 2
-    budget_s: float = 450.0
+    trl_steps: int = 1
+    budget_s: float = 470.0
     # seconds each section needs (H100 figures of bench/README.md plus margin): a section is skipped with less left
-    estimate_s: tuple[tuple[str, float], ...] = (("ballast", 150.0), ("trials", 90.0), ("trl", 100.0))
-    # seconds a section leaves to the later ones it must not crowd out (TRL is the first to go)
-    reserve_s: tuple[tuple[str, float], ...] = (("ballast", 90.0),)
-    decode_large_s: float = 60.0  # the largest decode row count compiles anew: skipped with less time left
+    estimate_s: tuple[tuple[str, float], ...] = (("ballast", 150.0), ("trials", 90.0), ("trl", 85.0))
+    # seconds a section leaves to the later ones: the ballast section's last decode measurements go first
+    reserve_s: tuple[tuple[str, float], ...] = (("ballast", 175.0),)
+    decode_large_s: float = 90.0  # a decode measurement after the first compiles anew: skipped with less time left
 
 
 SMOKE = Plan(
@@ -100,8 +102,8 @@ SMOKE = Plan(
     trl_steps=1,
     budget_s=115.0,
     estimate_s=(("ballast", 20.0), ("trials", 20.0), ("trl", 20.0)),
-    reserve_s=(("ballast", 20.0),),
-    decode_large_s=5.0,
+    reserve_s=(("ballast", 40.0),),
+    decode_large_s=60.0,
 )
 
 
@@ -208,22 +210,36 @@ def child_ballast(plan: Plan, model: Path, deadline: float, out: dict, save) -> 
         out["peak_gib"] = peak_gib(device)
         save()
         out["decode"] = {}
-        for i, rows in enumerate(plan.decode_rows):
-            if i and time.time() + plan.decode_large_s > deadline:
-                out["decode"][str(rows)] = {"skipped": "time budget"}
+        engines = {"default": runner.trainer.engine, "fused": fused_engine(runner.trainer, device)}
+        small, large = plan.decode_rows
+        order = [(small, "default"), (small, "fused"), (large, "fused"), (large, "default")]
+        for i, (rows, kind) in enumerate(order):
+            key = f"{rows} {kind}"
+            if i and time.time() + plan.decode_large_s > deadline:  # a new shape or engine: a compile
+                out["decode"][key] = {"skipped": "time budget"}
                 continue
-            out["decode"][str(rows)] = decode_ms(runner.trainer, plan, rows, device)
+            try:
+                out["decode"][key] = decode_ms(engines[kind], plan, rows, device)
+            except Exception as e:  # the other measurements still run
+                out["decode"][key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             save()
 
 
-def decode_ms(trainer, plan: Plan, rows: int, device) -> dict:
-    """ms per token step of the trainer's engine on `rows` rows (prompts x generations), per-prompt seeds as in a
-    step; the first call (a compile or a graph capture for a new shape) untimed."""
+def fused_engine(trainer, device):
+    """An engine over the trainer's model that draws inside the compiled step (engines/fused.py)."""
+    from trainer.engines.hf import HFEngine
+
+    return HFEngine(trainer.model, trainer.tokenizer, device, compile_decode="always", fused_sampling=True)
+
+
+def decode_ms(engine, plan: Plan, rows: int, device) -> dict:
+    """ms per token step of `engine` on `rows` rows (prompts x generations), per-prompt seeds as in a step; the
+    first call (a compile or a graph capture for a new shape) untimed."""
     from trainer.data import arith_examples, render_prompt
     from trainer.engines.base import SamplingParams
 
     n_prompts = rows // plan.generations
-    prompts = [render_prompt(trainer.tokenizer, e.prompt) for e in arith_examples(n_prompts, seed=1)]
+    prompts = [render_prompt(engine.tokenizer, e.prompt) for e in arith_examples(n_prompts, seed=1)]
     params = SamplingParams(
         n=plan.generations,
         max_tokens=plan.max_tokens,
@@ -233,13 +249,13 @@ def decode_ms(trainer, plan: Plan, rows: int, device) -> dict:
     )
     reset_peak(device)
     started = time.perf_counter()
-    trainer.engine.generate(prompts, params)
+    engine.generate(prompts, params)
     sync(device)
     first = time.perf_counter() - started
     times = []
     for _ in range(plan.decode_repeats):
         started = time.perf_counter()
-        trainer.engine.generate(prompts, params)
+        engine.generate(prompts, params)
         sync(device)
         times.append(time.perf_counter() - started)
     width = max(map(len, prompts))
@@ -248,7 +264,7 @@ def decode_ms(trainer, plan: Plan, rows: int, device) -> dict:
         "first_s": first,
         "width": width,
         "peak_gib": peak_gib(device),
-        "compiled": trainer.engine.decoder is not None,
+        "path": "fused" if engine.fused_sampling else "compiled" if engine.decoder is not None else "eager",
     }
 
 
@@ -478,9 +494,11 @@ def decode_rows(plan: Plan, info: dict, ballast: dict, bw: float | None, add) ->
     weights = 2 * info["matmul_params"]  # bf16 bytes read per token step
     per_position = 2 * info["layers"] * info["kv_heads"] * info["head_dim"] * 2  # K and V, bf16
     targets = {plan.decode_rows[0]: 1.5, plan.decode_rows[-1]: 2.5}
-    for rows, d in ballast.get("decode", {}).items():
+    for key, d in ballast.get("decode", {}).items():
+        rows, kind = key.split()
         if "ms" not in d:
-            add("decode", f"ms per token step, {rows} rows", "SKIPPED", d.get("skipped", "-"), "", "")
+            why = ("SKIPPED", d["skipped"]) if "skipped" in d else ("FAILED", d.get("error", "-"))
+            add("decode", f"ms per token step, {rows} rows, {kind} engine", *why, "", "")
             continue
         cache = -(-(d["width"] + plan.max_tokens) // 64) * 64  # the static cache every step's attention reads
         against = "no HBM figure for this device"
@@ -491,7 +509,7 @@ def decode_rows(plan: Plan, info: dict, ballast: dict, bw: float | None, add) ->
         target = targets.get(int(rows)) if plan.device == "cuda" else None
         add(
             "decode",
-            f"ms per token step, {rows} rows x {plan.max_tokens} ({'compiled' if d['compiled'] else 'eager'})",
+            f"ms per token step, {rows} rows x {plan.max_tokens}, {d['path']} decode",
             f"{d['ms']:.2f}",
             against,
             f"<= {target} ms" if target else "",

@@ -86,6 +86,16 @@ def test_draws_over_steps_follow_the_distribution():
     assert chi_square_p(counts, expected) > 1e-3
 
 
+@pytest.mark.parametrize("name", ["plain", "temperature", "repetition_penalty", "min_tokens"])
+def test_without_top_k_top_p_or_min_p_the_sort_can_be_skipped(name):
+    params = replace(SETTINGS[name], top_p=1.0)
+    logits, _, seen = case(seed=11, rows=4)
+    rows = RowSampling.from_params([(4, replace(params, n=4))], "cpu")
+    eos, step = torch.tensor([EOS]), torch.tensor(1)
+    full = processed_scores(logits, rows, seen, eos, step)
+    torch.testing.assert_close(processed_scores(logits, rows, seen, eos, step, truncate=False), full)
+
+
 def test_logprobs_are_the_policy_at_the_sampling_temperature():
     params = SETTINGS["all"]
     logits, _, seen = case(seed=7, rows=8)
@@ -111,7 +121,8 @@ def test_a_rows_draws_depend_on_its_seed_index_and_step_only():
 
 def test_the_noise_is_a_pure_function_of_its_counters():
     seed, index = torch.tensor([1, 1, 2]), torch.tensor([0, 1, 0])
-    first = gumbel_noise(seed, index, torch.tensor(3), 50)
-    assert torch.equal(first, gumbel_noise(seed, index, torch.tensor(3), 50))
+    ids = torch.arange(50)
+    first = gumbel_noise(seed, index, torch.tensor(3), ids)
+    assert torch.equal(first, gumbel_noise(seed, index, torch.tensor(3), ids))
     assert not torch.equal(first[0], first[1]) and not torch.equal(first[0], first[2])
-    assert not torch.equal(first, gumbel_noise(seed, index, torch.tensor(4), 50))
+    assert not torch.equal(first, gumbel_noise(seed, index, torch.tensor(4), ids))

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import Completion, SamplingParams
+from .fused import decode_and_sample, sample_fused
 
 CACHE_LEN_BUCKET = 64  # compiled decode: cache lengths are rounded up to this, so runs reuse one graph
 STOP_CHECK_EVERY = 8  # compiled decode: tokens between checks that every row ended (each check syncs the GPU)
@@ -40,12 +41,17 @@ STOP_CHECK_EVERY = 8  # compiled decode: tokens between checks that every row en
 class HFEngine:
     name = "hf"
 
-    def __init__(self, model, tokenizer, device: torch.device | str, compile_decode: str = "never"):
-        """compile_decode: 'auto' (on CUDA), 'always' or 'never' — rollout.compile_decode."""
+    def __init__(
+        self, model, tokenizer, device: torch.device | str, compile_decode: str = "never", fused_sampling: bool = False
+    ):
+        """compile_decode: 'auto' (on CUDA), 'always' or 'never' — rollout.compile_decode. fused_sampling: with a
+        compiled decode, draw each token inside the compiled step (engines/fused.py: the same distribution as the
+        eager loop, another random stream); requests with per-row adapters keep the eager draw."""
         self.model, self.tokenizer, self.device = model, tokenizer, torch.device(device)
         self.static_cache = True  # False once a model turned out not to support it
         compiled = compile_decode == "always" or (compile_decode == "auto" and self.device.type == "cuda")
         self.decoder = CompiledDecoder() if compiled else None
+        self.fused_sampling = fused_sampling and compiled
 
     def sync_weights(self, model, step: int) -> None:
         self.model = model
@@ -68,107 +74,130 @@ class HFEngine:
         request its prompts, its sampling settings and seeds, and the LoRA adapter each of its prompts samples
         under (peft's per-row `adapter_names`; None: the model's active adapter, then for every request). The rows go
         through the model together; each request's tokens are drawn with its own settings from its own generators."""
-        for _, params, _ in requests:
-            if params.frequency_penalty or params.presence_penalty:
-                raise ValueError(
-                    "rollout.frequency_penalty / presence_penalty are vLLM sampling options; the hf engine "
-                    "supports repetition_penalty — set rollout.engine: vllm or use repetition_penalty"
-                )
-        named = [adapters is not None for _, _, adapters in requests]
-        if any(named) and not all(named):
-            raise ValueError("name the adapters of every request, or of none")
-        tok = self.tokenizer
-        pad_id = tok.pad_token_id
-        eos_ids = _eos_ids(self.model, tok)
+        _check_requests(requests)
         rows = [p for prompts, params, _ in requests for p in prompts for _ in range(params.n)]
-        per_row, by_request = None, None
-        uniform = all(named) and all(len(set(adapters)) == 1 for _, _, adapters in requests)
-        if uniform and _plain_lora_linears(self.model) is not None:
-            by_request = [adapters[0] for _, _, adapters in requests]  # contiguous rows per adapter: slices
-        elif all(named):
-            names = [a for prompts, params, adapters in requests for a in adapters for _ in range(params.n)]
-            per_row = {"adapter_names": names}
         segments, start = [], 0
         for prompts, params, _ in requests:
             segments.append(Segment(slice(start, start + len(prompts) * params.n), params))
             start += len(prompts) * params.n
-        width = max(len(p) for p in rows)
-        input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for i, p in enumerate(rows):
-            input_ids[i, width - len(p) :] = torch.tensor(p)
-            attention_mask[i, width - len(p) :] = 1
-        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
-
+        per_row, by_request = self._adapter_rows(requests)
+        input_ids, attention_mask = _left_padded(rows, self.tokenizer.pad_token_id, self.device)
         was_training = self.model.training
         self.model.eval()
-        devices = [self.device] if self.device.type == "cuda" else []
         adapters = contextlib.nullcontext()
         if by_request is not None:
             adapters = _adapters_by_rows(self.model, [(s.rows, a) for s, a in zip(segments, by_request)])
         try:
-            with torch.random.fork_rng(devices=devices), adapters:
-                if any(s.params.stop for s in segments) or not self.static_cache:
-                    new_tokens, logprobs = _sample_segments_with_generate(
-                        self.model, tok, input_ids, attention_mask, segments, eos_ids, per_row
-                    )
-                else:
-                    try:
-                        torch.manual_seed(segments[0].params.seed)
-                        extra = {"decoder": self.decoder} if self.decoder is not None else {}
-                        for segment in segments:
-                            segment.generators = _generators(segment.params.seeds, self.device)
-                        new_tokens, logprobs = sample(
-                            self.model,
-                            input_ids,
-                            attention_mask,
-                            segments[0].params,
-                            eos_ids,
-                            pad_id,
-                            per_row=per_row,
-                            segments=segments,
-                            **extra,
-                        )
-                    except TypeError as e:  # a custom (trust_remote_code) model without cache_position / logits_to_keep
-                        warnings.warn(
-                            f"{type(self.model).__name__} cannot sample with a static KV cache ({e}); "
-                            "the hf engine uses model.generate for it (slower, keeps every step's logits)",
-                            stacklevel=2,
-                        )
-                        self.static_cache = False
-                        new_tokens, logprobs = _sample_segments_with_generate(
-                            self.model, tok, input_ids, attention_mask, segments, eos_ids, per_row
-                        )
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), adapters:
+                new_tokens, logprobs = self._sample(input_ids, attention_mask, segments, per_row, by_request)
         finally:
             self.model.train(was_training)
+        return _completions(rows, segments, new_tokens.cpu(), logprobs.cpu(), self.tokenizer, self._eos_ids())
 
-        new_tokens, logprobs = new_tokens.cpu(), logprobs.cpu()
-        eos = set(eos_ids)
-        out: list[list[list[Completion]]] = []
-        for segment in segments:
-            params, results = segment.params, []
-            for i in range(segment.rows.start, segment.rows.stop):
-                ids = new_tokens[i, : params.max_tokens].tolist()  # a shorter request's rows are padded past it
-                finish = "length"
-                for j, t in enumerate(ids):
-                    if t in eos:
-                        ids, finish = ids[: j + 1], "stop"
-                        break
-                text = tok.decode(ids, skip_special_tokens=True)
-                if finish == "length" and params.stop and any(s in text for s in params.stop):
-                    finish = "stop"
-                c = Completion(
-                    prompt_ids=list(rows[i]),
-                    token_ids=ids,
-                    logprobs=logprobs[i, : len(ids)].tolist(),
-                    finish_reason=finish,
-                    text=text,
+    def _eos_ids(self) -> list[int]:
+        return _eos_ids(self.model, self.tokenizer)
+
+    def _adapter_rows(self, requests) -> tuple[dict | None, list[str] | None]:
+        """How the rows take their adapters: (peft's per-row `adapter_names`, None), (None, one adapter per request
+        over its contiguous rows) when every request has one and every LoRA layer is plain, or (None, None)."""
+        named = [adapters is not None for _, _, adapters in requests]
+        if any(named) and not all(named):
+            raise ValueError("name the adapters of every request, or of none")
+        uniform = all(named) and all(len(set(adapters)) == 1 for _, _, adapters in requests)
+        if uniform and _plain_lora_linears(self.model) is not None:
+            return None, [adapters[0] for _, _, adapters in requests]
+        if all(named):
+            return {"adapter_names": [a for _, p, adapters in requests for a in adapters for _ in range(p.n)]}, None
+        return None, None
+
+    def _sample(self, input_ids, attention_mask, segments, per_row, by_request) -> tuple[torch.Tensor, torch.Tensor]:
+        """(new tokens, logprobs) by the fastest path these requests allow: the draw inside the compiled step
+        (fused_sampling), the static-cache loop (compiled or eager), or generate (stop strings, custom models)."""
+        eos_ids, pad_id = self._eos_ids(), self.tokenizer.pad_token_id
+        if any(s.params.stop for s in segments) or not self.static_cache:
+            return _sample_segments_with_generate(
+                self.model, self.tokenizer, input_ids, attention_mask, segments, eos_ids, per_row
+            )
+        try:
+            if self.fused_sampling and per_row is None and by_request is None:
+                return sample_fused(
+                    self.model, input_ids, attention_mask, segments, eos_ids, pad_id, self.decoder, STOP_CHECK_EVERY
                 )
-                if (i - segment.rows.start) % params.n == 0:
-                    results.append([])
-                results[-1].append(c)
-            out.append(results)
-        return out
+            torch.manual_seed(segments[0].params.seed)
+            extra = {"decoder": self.decoder} if self.decoder is not None else {}
+            for segment in segments:
+                segment.generators = _generators(segment.params.seeds, self.device)
+            return sample(
+                self.model,
+                input_ids,
+                attention_mask,
+                segments[0].params,
+                eos_ids,
+                pad_id,
+                per_row=per_row,
+                segments=segments,
+                **extra,
+            )
+        except TypeError as e:  # a custom (trust_remote_code) model without cache_position / logits_to_keep
+            warnings.warn(
+                f"{type(self.model).__name__} cannot sample with a static KV cache ({e}); "
+                "the hf engine uses model.generate for it (slower, keeps every step's logits)",
+                stacklevel=3,
+            )
+            self.static_cache = False
+            return _sample_segments_with_generate(
+                self.model, self.tokenizer, input_ids, attention_mask, segments, eos_ids, per_row
+            )
+
+
+def _check_requests(requests) -> None:
+    for _, params, _ in requests:
+        if params.frequency_penalty or params.presence_penalty:
+            raise ValueError(
+                "rollout.frequency_penalty / presence_penalty are vLLM sampling options; the hf engine "
+                "supports repetition_penalty — set rollout.engine: vllm or use repetition_penalty"
+            )
+
+
+def _left_padded(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) [R, longest], each prompt right-aligned after pad tokens."""
+    width = max(len(p) for p in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, p in enumerate(rows):
+        input_ids[i, width - len(p) :] = torch.tensor(p)
+        attention_mask[i, width - len(p) :] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def _completions(rows, segments, new_tokens, logprobs, tok, eos_ids) -> list[list[list[Completion]]]:
+    """Per request, per prompt, its params.n Completions: cut after the first end token (kept) or at max_tokens."""
+    eos = set(eos_ids)
+    out: list[list[list[Completion]]] = []
+    for segment in segments:
+        params, results = segment.params, []
+        for i in range(segment.rows.start, segment.rows.stop):
+            ids = new_tokens[i, : params.max_tokens].tolist()  # a shorter request's rows are padded past it
+            finish = "length"
+            for j, t in enumerate(ids):
+                if t in eos:
+                    ids, finish = ids[: j + 1], "stop"
+                    break
+            text = tok.decode(ids, skip_special_tokens=True)
+            if finish == "length" and params.stop and any(s in text for s in params.stop):
+                finish = "stop"
+            c = Completion(
+                prompt_ids=list(rows[i]),
+                token_ids=ids,
+                logprobs=logprobs[i, : len(ids)].tolist(),
+                finish_reason=finish,
+                text=text,
+            )
+            if (i - segment.rows.start) % params.n == 0:
+                results.append([])
+            results[-1].append(c)
+        out.append(results)
+    return out
 
 
 def _plain_lora_linears(model) -> list | None:
@@ -259,6 +288,7 @@ class CompiledDecoder:
     def __init__(self):
         self.step_fns: dict[int, object] = {}
         self.caches: dict[tuple, object] = {}
+        self.fused_fn = None
 
     def cache_len(self, needed: int) -> int:
         return -(-needed // CACHE_LEN_BUCKET) * CACHE_LEN_BUCKET
@@ -281,6 +311,13 @@ class CompiledDecoder:
             fn = self.step_fns[id(model)] = torch.compile(model.__call__, mode="reduce-overhead", dynamic=False)
         return fn
 
+    def fused_step(self):
+        """engines/fused.py's step and draw, compiled as one graph (the model is an argument: one compile serves
+        any model of the same shapes, a new one being a recompile)."""
+        if self.fused_fn is None:
+            self.fused_fn = torch.compile(decode_and_sample, mode="reduce-overhead", dynamic=False)
+        return self.fused_fn
+
 
 @torch.inference_mode()
 def sample(
@@ -296,15 +333,12 @@ def sample(
     segments: list[Segment] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(new tokens [R, <=N], their logprobs under log_softmax(logits / T) [R, <=N]) for left-padded prompts, with a
-    static KV cache. Rows that have ended get pad tokens; the loop stops when every row has ended (checked every
-    token, or every STOP_CHECK_EVERY tokens with a compiled decoder). With `decoder`, the one-token steps run
-    compiled over a cache that outlives the call. With `generators` (one per prompt, its params.n rows in a row)
-    each prompt's rows draw from their own; else from the global RNG. `per_row` (e.g. {"adapter_names": [...]}, one
-    per row) goes to every model call. `segments` (rows with their own settings and generators) replace `params`
-    and `generators`: each segment's rows are drawn with its own processors, and stop after its own max_tokens."""
+    static KV cache. Ended rows get pad tokens; the loop stops when every row has ended (checked every token, or
+    every STOP_CHECK_EVERY with a compiled `decoder`, whose one-token steps run over a cache that outlives the call).
+    With `generators` (one per prompt, its params.n rows in a row) each prompt's rows draw from their own; else from
+    the global RNG. `per_row` (e.g. {"adapter_names": [...]}) goes to every model call. `segments` (rows with their
+    own settings and generators) replace `params` and `generators`, each stopping after its own max_tokens."""
     per_row = per_row or {}
-    from transformers import StaticCache
-
     rows, width = input_ids.shape
     device = input_ids.device
     segments = segments or [Segment(slice(0, rows), params, generators)]
@@ -312,26 +346,9 @@ def sample(
     processors = [_processors(s.params, eos_ids) for s in segments]
     grow = any(before for before, _ in processors)
     eos = torch.tensor(eos_ids, device=device)
-    if decoder is None:
-        cache_len, step_fn, check_every = width + n_new, model, 1
-        cache = StaticCache(config=model.config, max_cache_len=cache_len)
-    else:
-        cache_len, step_fn, check_every = decoder.cache_len(width + n_new), decoder.step(model), STOP_CHECK_EVERY
-        cache = decoder.cache(model, rows, cache_len, device)
-    mask = torch.zeros(rows, cache_len, dtype=attention_mask.dtype, device=device)
-    mask[:, :width] = attention_mask
-    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(
-        input_ids=input_ids,
-        attention_mask=mask,
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
-        cache_position=torch.arange(width, device=device),
-        logits_to_keep=1,
-        **per_row,
-    )
-    position = positions[:, -1:]
+    step_fn, check_every = (model, 1) if decoder is None else (decoder.step(model), STOP_CHECK_EVERY)
+    out, mask, cache = _prefill(model, input_ids, attention_mask, n_new, decoder, per_row)
+    position = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -1:]
     cache_positions = torch.arange(width, width + n_new, device=device)  # made once: no host-to-device copy per token
     sequence = input_ids  # grown only when the repetition penalty needs to see it
     running = torch.ones(rows, dtype=torch.bool, device=device)
@@ -340,24 +357,10 @@ def sample(
         logits = out.logits[:, -1].to(
             dtype=torch.float32, copy=True
         )  # a graph's output is overwritten by its next replay
-        policies, draws = [], []
-        for segment, (before, after) in zip(segments, processors):
-            p, these, seen = segment.params, logits[segment.rows], sequence[segment.rows]
-            policies.append(torch.log_softmax(these / p.temperature, dim=-1))
-            scores = before(seen, these) if before else these
-            if t < p.min_tokens:
-                scores = scores.index_fill(-1, eos, float("-inf"))
-            scores = after(seen, scores) if after else scores
-            draws.append(_draw(torch.softmax(scores, dim=-1), segment.generators, p.n))
-        chosen = draws[0] if len(draws) == 1 else torch.cat(draws)
-        chosen = torch.where(running, chosen, torch.full_like(chosen, pad_id))
+        chosen, picked = _draw_step(logits, segments, processors, sequence, eos, t, running, pad_id)
         tokens.append(chosen)
-        picked = [policy.gather(-1, chosen[s.rows, None]).squeeze(1) for s, policy in zip(segments, policies)]
-        logprobs.append(picked[0] if len(picked) == 1 else torch.cat(picked))
-        running &= ~torch.isin(chosen, eos)
-        for segment in segments:
-            if t == segment.params.max_tokens - 1:  # a shorter request's rows end here; pads after
-                running[segment.rows] = False
+        logprobs.append(picked)
+        running = _still_running(running, chosen, eos, segments, t)
         if t == n_new - 1 or ((t + 1) % check_every == 0 and not running.any()):
             break
         if grow:
@@ -376,6 +379,61 @@ def sample(
             **per_row,
         )
     return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
+
+
+def _prefill(model, input_ids, attention_mask, n_new: int, decoder: CompiledDecoder | None, per_row: dict):
+    """The prompts' forward into a static cache long enough for n_new tokens (the decoder's own, kept between calls,
+    with a compiled decode): (its output, the attention mask over the whole cache, the cache)."""
+    from transformers import StaticCache
+
+    rows, width = input_ids.shape
+    device = input_ids.device
+    if decoder is None:
+        cache_len = width + n_new
+        cache = StaticCache(config=model.config, max_cache_len=cache_len)
+    else:
+        cache_len = decoder.cache_len(width + n_new)
+        cache = decoder.cache(model, rows, cache_len, device)
+    mask = torch.zeros(rows, cache_len, dtype=attention_mask.dtype, device=device)
+    mask[:, :width] = attention_mask
+    out = model(
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
+        past_key_values=cache,
+        use_cache=True,
+        cache_position=torch.arange(width, device=device),
+        logits_to_keep=1,
+        **per_row,
+    )
+    return out, mask, cache
+
+
+def _still_running(running, chosen, eos, segments: list[Segment], t: int) -> torch.Tensor:
+    """The rows still running after token t: not ended by an end token, nor by their request's max_tokens."""
+    running = running & ~torch.isin(chosen, eos)
+    for segment in segments:
+        if t == segment.params.max_tokens - 1:  # a shorter request's rows end here; pads after
+            running[segment.rows] = False
+    return running
+
+
+def _draw_step(logits, segments: list[Segment], processors, sequence, eos, t: int, running, pad_id: int):
+    """Each segment's rows' next token, drawn with its processors and generators (pad where a row has ended), and
+    its logprob under log_softmax(logits / T): (tokens [R], logprobs [R])."""
+    policies, draws = [], []
+    for segment, (before, after) in zip(segments, processors):
+        p, these, seen = segment.params, logits[segment.rows], sequence[segment.rows]
+        policies.append(torch.log_softmax(these / p.temperature, dim=-1))
+        scores = before(seen, these) if before else these
+        if t < p.min_tokens:
+            scores = scores.index_fill(-1, eos, float("-inf"))
+        scores = after(seen, scores) if after else scores
+        draws.append(_draw(torch.softmax(scores, dim=-1), segment.generators, p.n))
+    chosen = draws[0] if len(draws) == 1 else torch.cat(draws)
+    chosen = torch.where(running, chosen, torch.full_like(chosen, pad_id))
+    picked = [policy.gather(-1, chosen[s.rows, None]).squeeze(1) for s, policy in zip(segments, policies)]
+    return chosen, picked[0] if len(picked) == 1 else torch.cat(picked)
 
 
 def _generators(seeds: list[int] | None, device: torch.device) -> list[torch.Generator] | None:
