@@ -10,7 +10,9 @@ the loop keeps only the sampled token's logprob. It writes a static KV cache in 
 the one-token step compiled into CUDA graphs (`CompiledDecoder`, rollout.compile_decode). Sampling follows
 `generate`'s processors exactly — the same transformers classes in its order: repetition penalty,
 min_tokens, temperature, top-k, top-p, min-p — then `torch.multinomial`, so the same seed draws the same
-tokens. With per-prompt seeds (`SamplingParams.seeds`, what the trainer passes) each prompt's rows draw from a
+tokens. With `fused_sampling` (and a compiled decode) the draw runs inside the compiled step instead
+(engines/fused.py): the same distribution, counter-based noise per (prompt seed, row, step), no per-token host work.
+With per-prompt seeds (`SamplingParams.seeds`, what the trainer passes) each prompt's rows draw from a
 generator of their own, so a prompt samples the same tokens whichever prompts share its batch: a rank's shard of
 the global batch, or another trial's rows. Stop strings need the text decoded as it grows: a request with `stop`
 goes through `generate` (one prompt at a time when seeded per prompt). `generate_many` samples several requests in
