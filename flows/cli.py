@@ -153,6 +153,12 @@ def _probe_commands(command) -> None:
 
 
 def _sweep_commands(command) -> None:
+    _regress_command(command)
+    _sweep_command(command)
+    _sweep_worker_command(command)
+
+
+def _regress_command(command) -> None:
     p = command(
         "regress", "train one spec on two code refs, probe every final artifact, compare (exit 1 on a regression)"
     )
@@ -171,6 +177,8 @@ def _sweep_commands(command) -> None:
     p.add_argument("--alpha", type=float, default=0.01, help="significance level of the one-sided Fisher exact test")
     p.add_argument("--work-dir", help="where worktrees, runs and reports go (default <project_dir>/regressions/...)")
 
+
+def _sweep_command(command) -> None:
     p = command("sweep", "an Optuna sweep of pipeline runs: create or resume the study, run trials, write the summary")
     p.add_argument("file", help="sweep YAML (see examples/sweep.yaml)")
     p.add_argument(
@@ -187,7 +195,23 @@ def _sweep_commands(command) -> None:
     p.add_argument(
         "--timeout", type=float, metavar="SECONDS", help="wall-time budget: no trial starts after it (one running ends)"
     )
+    p.add_argument(
+        "--promote",
+        nargs="?",
+        const="confirmed",
+        metavar="TRIAL",
+        help="after the sweep: start the full run of its confirmed winner (or of trial TRIAL): its settings, the base "
+        "spec's step count, the probe on, linked to the trial and the study in MLflow; --set then changes that run",
+    )
+    p.add_argument(
+        "--continue",
+        dest="cont",
+        action="store_true",
+        help="with --promote: go on from the trial's checkpoint (a verified fork) instead of training from the start",
+    )
 
+
+def _sweep_worker_command(command) -> None:
     p = command(
         "pbt", "population-based GRPO: P LoRA members over one base model, exploiting and exploring as they train"
     )

@@ -196,11 +196,14 @@ def _validate_sweep(path: str, sets: list[str]) -> int:
     spec = trial_spec(sweep, {})
     _check_new_run(spec)
     _check_fork(spec)
+    resumes = _check_stored_study(sweep)  # an existing study the file no longer matches: refused, as the run would
     space = ", ".join(f"{k}{' (log)' if p.log else ''}" for k, p in sweep.space.items())
     objectives = ", ".join(f"{o.direction} {o.metric}" for o in sweep.objectives)
     print(f"{path}: valid sweep — the sweep file, its space and its base spec checked; nothing was run")
     print(f"  study     {sweep.study}: {sweep.trials} trials, {objectives}, against the base model's score")
     print(f"  space     {space}")
+    if resumes:
+        print(f"  resumes   {resumes}")
     for line in describe_run(spec):
         print(f"  {line}")
     return 0
@@ -225,6 +228,24 @@ def _validate_population(path: str, sets: list[str]) -> int:
     for line in describe_run(spec):
         print(f"  {line}")
     return 0
+
+
+def _check_stored_study(sweep) -> str | None:
+    """The study `ballast sweep` would resume, if it exists: its stored definition must match the file (what
+    open_study refuses at start). The line saying which study it resumes, or None for a new one."""
+    from sweeps.study import check_definition, redact_url, stored_definition, study_storage
+
+    url = study_storage(sweep, None)
+    try:
+        stored = stored_definition(sweep, url)
+    except Exception as e:  # a storage that is down is the run's to refuse; validate says it could not look
+        print(f"warning: could not read the study storage {redact_url(url)} ({type(e).__name__}); a resumed study "
+              "is checked when the sweep starts")  # fmt: skip
+        return None
+    if stored is None:
+        return None
+    check_definition(sweep, stored)
+    return f"study {sweep.study_name} in {redact_url(url)}: the file matches the definition it was created with"
 
 
 def _validated(spec: ExperimentSpec, path: str) -> int:
@@ -671,6 +692,10 @@ def cmd_sweep(args) -> int:
     if args.timeout is not None and args.timeout <= 0:
         raise UserError(f"--timeout {args.timeout:g}: give a number of seconds above 0")
     _check_storage_flag(args.storage)
+    if args.cont and args.promote is None:
+        raise UserError("--continue goes with --promote: ballast sweep FILE --promote --continue")
+    if args.promote is not None:
+        return _promote(args)
     sweep = load_sweep(args.file, args.set)  # a bad sweep file or --set fails here, before any study or run exists
     if args.workers and base_spec(sweep).get("infra", {}).get("compute", "here") != "here":
         _check_worker_nodes(sweep, args.storage)
@@ -681,7 +706,7 @@ def cmd_sweep(args) -> int:
     runtime.wait_until_started()  # a flow that starts before the ephemeral server answers finds no API
     again = shlex.join(["ballast", "sweep", args.file, *[x for s in args.set for x in ("--set", s)]])
     with interrupts_said_once(again):
-        result = ballast_sweep(
+        result = ballast_sweep.with_options(flow_run_name=sweep.study_name)(  # the flow run named after the study
             str(Path(args.file).resolve()),
             trials=args.trials,
             workers=args.workers,
@@ -717,6 +742,27 @@ def cmd_pbt(args) -> int:
     for line in summary.lines():
         print(line)
     return 0 if summary.winner else 3
+
+
+def _promote(args) -> int:
+    """`ballast sweep FILE --promote [TRIAL] [--continue]`: the winner's full run (flows/promote.py); --set changes
+    that run, not the study."""
+    from flows import runtime
+    from flows.promote import pick_trial, promoted_spec
+    from sweeps.space import load_sweep
+    from sweeps.study import join_study, make_storage, study_storage
+
+    named = load_sweep(args.file)
+    _, sweep = join_study(named.study_name, make_storage(study_storage(named, args.storage)))
+    study, _ = join_study(named.study_name, make_storage(study_storage(named, args.storage)))
+    promoted_spec(sweep, study, pick_trial(study, args.promote), args.cont, list(args.set))  # refused here, in seconds
+    runtime.prestart(sweep.base.get("project_dir", ".ballast"))
+    from flows.promote import promote
+
+    runtime.wait_until_started()
+    result = promote(study, sweep, args.promote, args.cont, list(args.set))
+    _print_result(result, sweep.base.get("project_dir", ".ballast"))
+    return 0 if result.status == "finished" else 3
 
 
 def _check_worker_nodes(sweep, storage: str | None) -> None:

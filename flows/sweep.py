@@ -31,12 +31,14 @@ import optuna
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
+from flows.confirm import confirm_sweep, ensure_split
+from flows.machine import load_warning
 from flows.trials import choose_runner, in_process_runner
 from flows.trials.workers import worker_budget
 from sweeps.baseline import BASELINE_ATTR, Baseline, load_baseline
 from sweeps.report import SweepSummary, plot_study, summarize
 from sweeps.runner import Budget
-from sweeps.space import base_spec, load_sweep
+from sweeps.space import base_spec, baseline_spec, load_sweep
 from sweeps.study import (
     TRIALS_ATTR,
     SweepWorkerError,
@@ -60,7 +62,7 @@ from tasks.sweep_record import SweepRecorder
 
 def measure_baseline(sweep, recorder: SweepRecorder) -> Baseline:
     """The base model's (or fork source's) held-out scores with the trials' eval settings."""
-    spec = validate_spec(base_spec(sweep), "sweep base spec")
+    spec = validate_spec(baseline_spec(sweep), "sweep base spec")  # every held-out prompt: read part by part
     started = time.perf_counter()
     source = fork(spec, recorder.tracking.checkpoint_prefix)
     cache = Path(spec.project_dir).resolve() / "cache" / "sweeps" / sweep.study_name
@@ -73,6 +75,7 @@ baseline_task = task(measure_baseline, name="baseline", cache_policy=NO_CACHE, p
 
 def ensure_baseline(study, sweep, recorder: SweepRecorder, label: str = "") -> Baseline:
     """The study's baseline, measured once (before its first trial) and stored on the study and the parent run."""
+    ensure_split(study, sweep)  # the held-out prompts dealt into selection and confirmation, once
     baseline = load_baseline(study)
     if baseline is None:
         print(f"{label}baseline: scoring {_source_name(sweep)} on the trials' held-out set ...", flush=True)
@@ -109,6 +112,7 @@ def make_recorder(sweep) -> SweepRecorder:
     recorder = SweepRecorder(validate_spec(base_spec(sweep), "sweep base spec"), sweep.study_name)
     key = sweep.objectives[0].key
     recorder.objective = key if key.startswith("eval/") else None  # held-out: its trial runs carry Gain/<key>
+    recorder.log_scaled = [name for name, p in sweep.space.items() if p.log]
     return recorder
 
 
@@ -194,6 +198,8 @@ def ballast_sweep(
     if workers >= 1 and spec.infra.compute != "here":  # a storage the nodes could not use: refused before they start
         check_worker_placement(spec, url)
     study, recorder = open_sweep(sweep, url, trials, worker=0)
+    if busy := load_warning(spec, sweep.concurrent_trials):
+        print(busy, flush=True)
     print(
         f"sweep {study.study_name}: {n_done(study)} of {target(study)} trials done (storage {redact_url(url)}, "
         f"MLflow parent run {recorder.parent_run_id})",
@@ -206,6 +212,8 @@ def ballast_sweep(
         ensure_baseline(study, sweep, recorder)
         runner = choose_runner(sweep, spec, url, workers)
         timed_out = runner.run(study, sweep, recorder, Budget.of(target(study), timeout_s)).timed_out
+        if timed_out or n_done(study) >= target(study):  # the search has ended: its verdict, on prompts it never saw
+            confirm_sweep(study, sweep, recorder)
     except SweepWorkerError:
         summary_task(study, sweep, recorder, url)  # what the trials so far found, then the error
         raise
@@ -231,5 +239,6 @@ def ballast_sweep_worker(
     ensure_baseline(st, sweep, recorder, label=label)  # created with --workers 0: not measured yet
     in_process_runner(sweep, label).run(st, sweep, recorder, worker_budget(target(st)))
     if summary and n_done(st) >= target(st):
+        confirm_sweep(st, sweep, recorder, label=label)
         return summary_task(st, sweep, recorder, storage)
     return None

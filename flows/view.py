@@ -173,11 +173,12 @@ def flow_run_link() -> dict[str, str]:
 
 
 def eval_scores(metrics: dict[str, float]) -> list[str]:
-    """'eval/accuracy 0.289 ± 0.04' for each held-out score in `metrics`, its standard error beside it when given."""
+    """'eval/accuracy 0.289 ± 0.079' for each held-out score in `metrics`, the half-width of its 95 % interval (1.96
+    standard errors, the ± of every Ballast surface: sweeps/statistics.py) beside it when given."""
     out = []
     for k in sorted(k for k in metrics if k.startswith("eval/") and not k.endswith(STDERR)):
         err = metrics.get(k + STDERR)
-        out.append(f"{k} {metrics[k]:.4g}" + (f" ± {err:.2g}" if err is not None else ""))
+        out.append(f"{k} {metrics[k]:.4g}" + (f" ± {1.96 * err:.2g}" if err is not None else ""))
     return out
 
 
@@ -201,7 +202,8 @@ def describe(result) -> str | None:
             f"parity {'ok' if result.parity_ok else 'FAILED'} → {'passed' if result.passed else 'FAILED'}"
         )
     if isinstance(result, EvalResult):
-        return "eval: " + ", ".join(eval_scores(result.metrics))
+        said = ", ".join(eval_scores(result.metrics))
+        return f"eval: {said}" + (" (± is a 95 % interval)" if "±" in said else "")
     return None
 
 

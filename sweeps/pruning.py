@@ -146,6 +146,8 @@ def record_gain(trial: optuna.Trial, result: PipelineResult, sweep: SweepSpec) -
     comparison's 95 % interval — what ranked it, not a claim (the claim is sweeps/confirmation.py's)."""
     if result.checkpoints:
         trial.set_user_attr("checkpoint_uri", result.checkpoints[max(result.checkpoints)])
+    for key, value in run_tokens(result.history, sweep_completions(trial)).items():  # what the trial cost
+        trial.set_user_attr(key, value)
     first = sweep.objectives[0]
     study = trial.study
     gain = gain_of(first.key, result.eval_per_prompt, load_baseline(study), first.direction, load_split(study))
@@ -157,6 +159,25 @@ def record_gain(trial: optuna.Trial, result: PipelineResult, sweep: SweepSpec) -
     trial.set_user_attr("gain_stderr", gain.stderr)
     trial.set_user_attr("gain_n", gain.n)
     trial.set_user_attr("beats_baseline", gain.beats_baseline)
+
+
+def sweep_completions(trial) -> int | None:
+    """Completions one step of the trial samples, from its spec's `planned_completions` (set when the trial starts)."""
+    return trial.user_attrs.get("completions_per_step")
+
+
+def run_tokens(history: list[dict], completions_per_step: int | None) -> dict[str, float]:
+    """Tokens a run cost: `tokens_trained`, the prompt and completion tokens its steps trained on (trainer/metrics.py
+    `num_tokens`, cumulative), and `tokens_generated`, the completion tokens it sampled (each step's mean completion
+    length times its completions)."""
+    out: dict[str, float] = {}
+    trained = [m["num_tokens"] for m in history if "num_tokens" in m]
+    if trained:
+        out["tokens_trained"] = float(trained[-1])
+    if completions_per_step:
+        lengths = [m["completions/mean_length"] for m in history if "completions/mean_length" in m]
+        out["tokens_generated"] = float(sum(lengths) * completions_per_step)
+    return out
 
 
 def _prune(trial: optuna.Trial, reason: str, by: str):

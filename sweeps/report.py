@@ -41,12 +41,13 @@ from optuna.visualization import matplotlib as vis  # noqa: E402
 from tasks.pages import render_page  # noqa: E402
 
 from .baseline import Z95, load_baseline  # noqa: E402
+from .confirmation import Confirmation, load_confirmation, verdict_lines  # noqa: E402
 from .space import SweepSpec  # noqa: E402
 from .study import COMPUTE_ATTR, NODE_ATTR  # noqa: E402
 
 MIN_COMPLETE = 2  # completed trials a comparison plot needs
 MIN_IMPORTANCE_TRIALS = 8  # completed trials before importances are computed (fANOVA over fewer apportions noise)
-COLOURS = {"COMPLETE": "#0969da", "collapsed": "#cf222e", "pruned": "#bc4c00", "FAIL": "#6e7781"}
+COLOURS = {"COMPLETE": "#0969da", "collapsed": "#cf222e", "pruned": "#8250df", "FAIL": "#6e7781"}
 
 
 NODE_FIELDS = dict.fromkeys(("name", "compute", "node", "accelerators", "cloud", "region", "hourly_usd", "cost_usd"))
@@ -161,6 +162,16 @@ class SweepSummary:
     min_importance_trials: int = MIN_IMPORTANCE_TRIALS
     timed_out: bool = False  # the --timeout budget ended the sweep
     compute: ComputeTotal = field(default_factory=ComputeTotal)  # trial wall time; provisioned nodes summed
+    confirmation: dict | None = None  # sweeps/confirmation.py Confirmation: the verdict, made after the search
+    cost: dict = field(default_factory=dict)  # what the answer cost (`cost_of`)
+
+    def confirmed(self) -> Confirmation | None:
+        return Confirmation.from_json(json.dumps(self.confirmation)) if self.confirmation else None
+
+    def confirmation_lines(self) -> list[str]:
+        """The verdict in full (sweeps/confirmation.py `verdict_lines`), or nothing when there was no confirmation."""
+        c = self.confirmed()
+        return verdict_lines(c) if c else []
 
     @property
     def n_complete(self) -> int:
@@ -195,8 +206,20 @@ class SweepSummary:
         ci = f" ± {Z95 * se:.2g}" if se is not None else ""
         return f"baseline: {self.objective_key} {score:.3g}{ci} for {b['source']}"
 
+    def split_line(self) -> str:
+        """How the held-out prompts were dealt into selection and confirmation (sweeps/split.py), in words."""
+        from .split import Split
+
+        split = (self.confirmation or {}).get("split")
+        return Split(**split).describe() if split else ""
+
     def verdict_line(self) -> str | None:
-        """'best: trial 7, eval/accuracy 0.61 vs 0.29 for the base model (+0.32 ± 0.06)', or why there is none."""
+        """'best: trial 7, eval/accuracy 0.61 vs 0.29 for the base model (+0.32 ± 0.06)', or why there is none; after
+        a confirmation its claim and the score it rests on ('trial 7 beats the base model on all 3 seeds; best on
+        confirmation: ...')."""
+        if lines := self.confirmation_lines():
+            claim = next(line for line in lines if " beat" in line and line.startswith(("trial ", "no trial")))
+            return f"{claim}; {lines[0]}"
         if self.best and self.best.get("gain") is not None:
             return f"best: trial {self.best['number']}, {describe_gain(self.best, self.objective_key)}"
         if self.best:
@@ -207,6 +230,30 @@ class SweepSummary:
                 f"{describe_gain(self.closest, self.objective_key)}"
             )
         return None
+
+    def cost_line(self) -> str:
+        """'cost: 96 trial-steps run (+16 for seeds), 32 saved by pruning; 1.2M tokens generated, 3.4M trained; wall
+        12 min (baseline 0.4, trials 9.8, confirmation 1.8); 15 trials/hour'."""
+        c = self.cost
+        if not c:
+            return ""
+        seeds = f" (+{c['seed_steps']} for the seed runs)" if c.get("seed_steps") else ""
+        out = f"cost: {c['trial_steps']} trial-steps run{seeds}, {c['steps_saved']} saved by pruning"
+        if c.get("tokens_generated") or c.get("tokens_trained"):
+            out += (
+                f"; {_tokens(c.get('tokens_generated'))} tokens generated, {_tokens(c.get('tokens_trained'))} trained"
+            )
+        parts = [f"{k} {c[k + '_s'] / 60:.1f}" for k in ("baseline", "trials", "confirmation") if c.get(k + "_s")]
+        out += f"; wall {c['wall_s'] / 60:.1f} min ({', '.join(parts)})" if parts else ""
+        if c.get("trials_per_hour"):
+            out += f"; {c['trials_per_hour']:.1f} trials/hour"
+        if c.get("node_hours"):
+            out += f"; {c['node_hours']:.2f} node-hours, {self.compute.cost_text()}"
+        return out
+
+    def cost_metrics(self) -> dict[str, float]:
+        """The parent run's `cost/*` metrics."""
+        return {f"cost/{k}": float(v) for k, v in self.cost.items() if isinstance(v, (int, float)) and v is not None}
 
     def pruning_line(self) -> str:
         pct = f" ({self.steps_saved / self.planned_steps:.0%})" if self.planned_steps else ""
@@ -223,7 +270,9 @@ class SweepSummary:
         out = [f"sweep {self.study}: {states}; {self.trial_steps} trial-steps{ended}"]
         if line := self.baseline_line():
             out.append(line)
-        if line := self.verdict_line():
+        if confirmed := self.confirmation_lines():
+            out += confirmed
+        elif line := self.verdict_line():
             out.append(line)
         if self.best:
             out.append(f"  with {format_values(self.best['params'])} (MLflow run {self.best['mlflow_run_id']})")
@@ -235,8 +284,41 @@ class SweepSummary:
             out.append("no trial completed: every trial was pruned or failed — read the prune reasons in the summary")
         out.append(self.pruning_line())
         out.append(self.compute.line())
+        if line := self.cost_line():
+            out.append(line)
         out += [f"summary:     {self.html}", f"dashboard:   {self.dashboard}"]
         return out
+
+
+def _tokens(n: float | None) -> str:
+    if not n:
+        return "0"
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else (f"{n / 1e3:.1f}k" if n >= 1e3 else f"{n:.0f}")
+
+
+def cost_of(study, trials: list, summary: SweepSummary, confirmed: Confirmation | None) -> dict:
+    """What the answer cost: trial-steps run and saved by pruning, tokens generated and trained (trials and seed
+    runs), wall time by phase, trials/hour, node-hours when nodes were provisioned."""
+    baseline = load_baseline(study)
+    tokens = {k: sum(float(t.user_attrs.get(k) or 0) for t in trials) for k in ("tokens_generated", "tokens_trained")}
+    seeds = confirmed.seed_tokens if confirmed else {}
+    span = summary.compute.span_s
+    done = sum(summary.states.get(k, 0) for k in ("COMPLETE", "PRUNED"))
+    out = {
+        "trial_steps": summary.trial_steps,
+        "steps_saved": summary.steps_saved,
+        "seed_steps": confirmed.seed_steps if confirmed else 0,
+        "tokens_generated": tokens["tokens_generated"] + float(seeds.get("tokens_generated", 0)),
+        "tokens_trained": tokens["tokens_trained"] + float(seeds.get("tokens_trained", 0)),
+        "baseline_s": baseline.seconds if baseline else 0.0,
+        "trials_s": span,
+        "confirmation_s": confirmed.seconds if confirmed else 0.0,
+        "trials_per_hour": done / (span / 3600) if span > 0 else 0.0,
+    }
+    out["wall_s"] = out["baseline_s"] + out["trials_s"] + out["confirmation_s"]
+    if summary.compute.nodes:
+        out["node_hours"] = summary.compute.run_s / 3600
+    return out
 
 
 def describe_gain(row: dict, key: str) -> str:
@@ -298,7 +380,16 @@ def summarize(study: optuna.Study, sweep: SweepSpec) -> SweepSummary:
         steps_saved=planned - ran,
         compute=compute_total(study, trials),
     )
-    if len(sweep.objectives) == 1:
+    confirmed = load_confirmation(study)
+    out.cost = cost_of(study, trials, out, confirmed)
+    if confirmed is not None:  # the verdict was made after the search: its claim is the best, else its winner closest
+        out.confirmation = json.loads(confirmed.to_json())
+        rows = {t.number: t for t in trials}
+        if confirmed.claimed is not None:
+            out.best = trial_row(rows[confirmed.claimed], sweep)
+        else:
+            out.closest = trial_row(rows[confirmed.winner], sweep)
+    elif len(sweep.objectives) == 1:
         if complete and "gain" in study.best_trial.user_attrs:  # relative: only a trial beyond noise is "best"
             sign = 1 if sweep.objectives[0].direction == "maximize" else -1
             winners = [t for t in complete if t.user_attrs.get("beats_baseline")]
@@ -346,10 +437,7 @@ def plot_study(study: optuna.Study, sweep: SweepSpec, out_dir: Path) -> tuple[li
     rows = [_plot_row(t, sweep) for t in trials if t.state.name != "FAIL"]
     scored = [r for r in rows if r["score"] is not None]
     n_complete = sum(1 for r in rows if r["kind"] == "COMPLETE")
-    baseline = load_baseline(study)
-    base = None
-    if baseline is not None and baseline.score(key) is not None:
-        base = (baseline.score(key), Z95 * (baseline.stderr_of(key) or 0.0))
+    base = _plot_baseline(study, key)
     jobs = {
         "optimization_history": lambda: _history(scored, key, base),
         "parallel_coordinate": lambda: _parallel(scored, sweep, key, base),
@@ -383,6 +471,23 @@ def plot_study(study: optuna.Study, sweep: SweepSpec, out_dir: Path) -> tuple[li
     return paths, skipped
 
 
+def _plot_baseline(study: optuna.Study, key: str) -> tuple[float, float] | None:
+    """(the base model's score on the prompts the trials were scored on, 0): the line a trial's own paired interval
+    (its error bar) is read against — a bar wholly above it is the ✓ of the tables, computed as the verdict is. No
+    band: the base model's own interval is not what a trial must clear."""
+    from .baseline import PER_PROMPT
+    from .split import load_split
+
+    baseline = load_baseline(study)
+    if baseline is None:
+        return None
+    per, split = baseline.per_prompt.get(PER_PROMPT.get(key, ""), []), load_split(study)
+    part = split.selection(per) if per and split is not None else per
+    if part:
+        return sum(part) / len(part), 0.0
+    return (baseline.score(key), 0.0) if baseline.score(key) is not None else None
+
+
 def _kind(t: optuna.trial.FrozenTrial) -> str:
     """COMPLETE, collapsed (pruned by the health gate), pruned (by the pruner), FAIL."""
     if t.state == TrialState.PRUNED:
@@ -397,13 +502,14 @@ def _plot_row(t: optuna.trial.FrozenTrial, sweep: SweepSpec) -> dict:
         score = t.values[0]
     if score is None:
         score = t.user_attrs.get(f"objective/{sweep.objectives[0].key}")
-    return {"number": t.number, "kind": _kind(t), "params": t.params, "score": score}
+    ci = Z95 * t.user_attrs["gain_stderr"] if t.user_attrs.get("gain_stderr") is not None else None
+    return {"number": t.number, "kind": _kind(t), "params": t.params, "score": score, "ci95": ci}
 
 
 LABELS = {"COMPLETE": "complete", "collapsed": "collapsed (health gate)", "pruned": "pruned (pruner)"}
 
 
-def _baseline_band(ax, base, horizontal: bool = True) -> None:
+def _baseline_band(ax, base, horizontal: bool = True, bars: bool = True) -> None:
     if base is None:
         return
     value, half = base
@@ -411,14 +517,29 @@ def _baseline_band(ax, base, horizontal: bool = True) -> None:
         ax.axhline(value, color="#1f2328", linestyle="--", linewidth=1.2, label=f"base model {value:.3g}")
         if half:
             ax.axhspan(value - half, value + half, color="#1f2328", alpha=0.08, label="base model ± 95 %")
+        if bars:
+            ax.plot([], [], " ", label="bars: each trial's paired 95 % interval")
 
 
 def _scatter_by_kind(ax, rows: list[dict], x_of) -> None:
+    """Each trial's final score, coloured by how it ended, with its paired 95 % interval as an error bar."""
     for kind, colour in COLOURS.items():
-        pts = [(x_of(r), r["score"]) for r in rows if r["kind"] == kind]
+        pts = [(x_of(r), r["score"], r.get("ci95")) for r in rows if r["kind"] == kind]
         if pts:
             marker = "x" if kind != "COMPLETE" else "o"
             ax.scatter([p[0] for p in pts], [p[1] for p in pts], c=colour, marker=marker, s=36, label=LABELS[kind])
+            bars = [p for p in pts if p[2] is not None]
+            if bars:
+                ax.errorbar(
+                    [p[0] for p in bars], [p[1] for p in bars], yerr=[p[2] for p in bars], fmt="none",
+                    ecolor=colour, alpha=0.45, elinewidth=1, capsize=2,
+                )  # fmt: skip
+
+
+def _legend_kinds(rows_or_kinds) -> list:
+    """Legend handles for the kinds of trial that happened (no 'collapsed' when nothing collapsed)."""
+    kinds = {r["kind"] if isinstance(r, dict) else r for r in rows_or_kinds}
+    return [plt.Line2D([], [], color=c, label=LABELS[k]) for k, c in COLOURS.items() if k != "FAIL" and k in kinds]
 
 
 def _history(rows: list[dict], key: str, base) -> plt.Figure:
@@ -492,14 +613,14 @@ def _parallel(rows: list[dict], sweep: SweepSpec, key: str, base) -> plt.Figure:
     ax.set_xlim(-0.2, len(names) + 0.6)
     for spine in ("left", "right", "top"):
         ax.spines[spine].set_visible(False)
-    handles = [plt.Line2D([], [], color=c, label=LABELS[k]) for k, c in COLOURS.items() if k != "FAIL"]
-    ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3, frameon=False)
+    ax.legend(handles=_legend_kinds(rows), fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3,
+              frameon=False)  # fmt: skip
     ax.set_title("Parallel coordinates: every trial, collapsed and pruned ones included")
     return fig
 
 
 def _slice(rows: list[dict], sweep: SweepSpec, key: str, base) -> plt.Figure:
-    from matplotlib.ticker import LogLocator, NullFormatter
+    from matplotlib.ticker import FixedFormatter, FixedLocator, NullFormatter
 
     names = list(sweep.space)
     fig, axs = plt.subplots(1, len(names), figsize=(3.2 * len(names) + 1.0, 3.8), sharey=True, squeeze=False)
@@ -512,9 +633,12 @@ def _slice(rows: list[dict], sweep: SweepSpec, key: str, base) -> plt.Figure:
             ax.set_xticks(range(len(choices)), choices)
         else:
             _scatter_by_kind(ax, with_p, lambda r, n=name: r["params"][n])
-            if spec.log:
+            if spec.log:  # labelled ticks at the range's ends and its geometric middle (a decade may not fit in)
+                lo, hi = float(spec.low), float(spec.high)
+                ticks = [lo, math.sqrt(lo * hi), hi]
                 ax.set_xscale("log")
-                ax.xaxis.set_major_locator(LogLocator(base=10, numticks=4))
+                ax.xaxis.set_major_locator(FixedLocator(ticks))
+                ax.xaxis.set_major_formatter(FixedFormatter([format_value(t) for t in ticks]))
                 ax.xaxis.set_minor_formatter(NullFormatter())
         _baseline_band(ax, base)
         ax.set_xlabel(name + (" (log)" if spec.log else ""), fontsize=8)
@@ -546,12 +670,11 @@ def _intermediate(trials, sweep: SweepSpec, study, base) -> plt.Figure:
             linewidth=1,
         )
     if base is not None and metric == sweep.objectives[0].key:
-        _baseline_band(ax, base)
+        _baseline_band(ax, base, bars=False)
     ax.set_xlabel("training step")
     ax.set_ylabel(f"{metric} (reported to the pruner)")
     ax.set_title("What each trial reported, by how it ended")
-    handles = [plt.Line2D([], [], color=c, label=LABELS[k]) for k, c in COLOURS.items() if k != "FAIL"]
-    ax.legend(handles=handles, fontsize=7, loc="best")
+    ax.legend(handles=_legend_kinds([_kind(t) for t in trials if t.intermediate_values]), fontsize=7, loc="best")
     return fig
 
 

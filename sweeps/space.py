@@ -507,10 +507,13 @@ def base_spec(sweep: SweepSpec) -> dict:
 
 def baseline_spec(sweep: SweepSpec) -> dict:
     """The base spec with the sweep's overrides applied, as a plain mapping (validated): its evals score every
-    held-out prompt, selection and confirmation ones (the baseline's, read part by part)."""
+    held-out prompt, selection and confirmation ones (the baseline's, read part by part). Its MLflow experiment is
+    the study's name unless the base spec or the overrides name one (tracking.experiment)."""
     data = json.loads(json.dumps(sweep.base))
     for key, value in sweep.overrides.items():
         set_path(data, f"{key}={json.dumps(value)}")
+    if not (data.get("tracking") or {}).get("experiment"):  # the sweep's runs in an MLflow experiment of its own
+        data.setdefault("tracking", {})["experiment"] = sweep.study_name
     validate_spec(data, "sweep base spec with overrides")
     return data
 

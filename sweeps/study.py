@@ -240,15 +240,7 @@ def open_study(sweep: SweepSpec, storage: RDBStorage, n_trials: int | None = Non
     if stored is None:
         study.set_user_attr(SWEEP_ATTR, json.dumps(sweep.model_dump(mode="json")))
     else:
-        before = SweepSpec.model_validate(json.loads(stored)).definition()
-        now = sweep.definition()
-        changed = next((k for k in now if before.get(k) != now.get(k)), None)
-        if changed:
-            raise SweepError(
-                f"study {sweep.study_name!r} already exists in this storage with a different "
-                f"'{changed}'; resume it with the sweep file it started with (only trials may change), "
-                "or name a new study"
-            )
+        check_definition(sweep, stored)
         kept = json.loads(stored)
         if kept.get("concurrent_trials", 1) != sweep.concurrent_trials:  # how trials run, not what: workers read it
             study.set_user_attr(SWEEP_ATTR, json.dumps({**kept, "concurrent_trials": sweep.concurrent_trials}))
@@ -261,6 +253,34 @@ def open_study(sweep: SweepSpec, storage: RDBStorage, n_trials: int | None = Non
     study.set_user_attr(TRIALS_ATTR, int(n_trials or sweep.n_trials))
     study.sampler = make_sampler(sweep, worker, len(study.trials))
     return study
+
+
+def check_definition(sweep: SweepSpec, stored: str) -> None:
+    """The sweep file against the definition its study was created with (study user attr SWEEP_ATTR): a resume may
+    change the trial count, storage and what happens after the search, nothing else."""
+    import json
+
+    before = SweepSpec.model_validate(json.loads(stored)).definition()
+    now = sweep.definition()
+    changed = next((k for k in now if before.get(k) != now.get(k)), None)
+    if changed:
+        raise SweepError(
+            f"study {sweep.study_name!r} already exists in this storage with a different '{changed}'; resume it "
+            "with the sweep file it started with (only trials may change), or name a new study"
+        )
+
+
+def stored_definition(sweep: SweepSpec, url: str) -> str | None:
+    """The definition the sweep's study was created with in `url`, or None when there is no such study (a SQLite
+    file that does not exist is not created)."""
+    if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
+        return None
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = optuna.storages.RDBStorage(url)
+    names = {s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}
+    if sweep.study_name not in names:
+        return None
+    return optuna.load_study(study_name=sweep.study_name, storage=storage).user_attrs.get(SWEEP_ATTR)
 
 
 def join_study(name: str, storage: RDBStorage, worker: int = 0) -> tuple[optuna.Study, SweepSpec]:
@@ -320,6 +340,7 @@ def prepare_trial(trial: optuna.Trial, sweep: SweepSpec):
     params = suggest(trial, sweep.space)
     spec = trial_spec(sweep, params, name=f"{sweep.study_name}-trial-{trial.number}")
     trial.set_user_attr("planned_steps", int(spec.optim.steps))  # what pruning saved is measured against this
+    trial.set_user_attr("completions_per_step", int(spec.grpo.prompts_per_step * spec.grpo.num_generations))
     return spec
 
 

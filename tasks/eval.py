@@ -53,3 +53,26 @@ def eval_baseline(spec, source, cache_dir: Path) -> EvalResult:
     metrics, per_prompt, samples = score_held_out(model, tokenizer, held_out, spec.eval, rewards, spec.data)
     where = source.checkpoint_uri or f"base model {spec.model.name_or_path}"
     return EvalResult(where, source.parent_step or 0, metrics, samples, per_prompt)
+
+
+def judging_examples(spec: ExperimentSpec, split) -> list:
+    """The prompts a claim is made on: the confirmation rows of the held-out set, the user's file, or (nothing kept
+    back) the selection rows."""
+    from trainer.data import read_examples
+
+    if split.kind == "file":
+        return read_examples(split.confirmation_file, "confirm.data", "test")
+    held_out = load_datasets(spec.data)[1]
+    return split.confirmation(held_out) if split.kind == "split" else split.selection(held_out)
+
+
+def score_on(spec: ExperimentSpec, source, examples: list, cache_dir: Path) -> dict[str, list[float]]:
+    """Per-prompt held-out scores of `source` (a verified ForkSource) on `examples`, with the spec's eval settings."""
+    from trainer.model import load_policy
+
+    adapter = str(source.adapter_dir) if source.adapter_dir is not None else None
+    model, tokenizer = load_policy(spec.model, spec.lora, adapter_path=adapter, trainable=False)
+    rewards = RewardComputer(spec.rewards, output_dir=cache_dir)
+    cfg = spec.eval.model_copy(update={"split": None})  # `examples` are the part already
+    _, per_prompt, _ = score_held_out(model, tokenizer, examples, cfg, rewards, spec.data)
+    return per_prompt

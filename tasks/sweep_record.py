@@ -128,8 +128,9 @@ class SweepRecorder:
                 self.client.log_metric(rid, key, float(value))
         if attrs.get("gain") is not None:  # capitalised: Compare's plots open on the first metric, sorted
             key, step = attrs.get("gain_metric", "score"), int(attrs.get("last_step") or 0)
-            self.client.log_metric(rid, f"Gain/{key}", float(attrs["gain"]), step=step)
-            self.client.log_metric(rid, f"Gain/{key}_ci95", 1.96 * float(attrs["gain_stderr"]), step=step)
+            head = "Gain" if frozen.state.name == "COMPLETE" else "Gain at stop"  # final and pruned gains apart
+            self.client.log_metric(rid, f"{head}/{key}", float(attrs["gain"]), step=step)
+            self.client.log_metric(rid, f"{head}/{key}_ci95", 1.96 * float(attrs["gain_stderr"]), step=step)
         if frozen.state.name == "PRUNED":  # stopped on purpose, not a crash: FINISHED, the outcome says how
             self.client.set_terminated(rid, "FINISHED")
 
@@ -156,6 +157,8 @@ class SweepRecorder:
             self.client.log_metric(rid, "best/gain", float(summary.best["gain"]))
             self.client.log_metric(rid, "best/gain_ci95", 1.96 * float(summary.best["gain_stderr"]))
         self.client.log_metric(rid, "trial_steps_saved", float(summary.steps_saved))
+        for key, value in summary.cost_metrics().items():  # what the answer cost
+            self.client.log_metric(rid, key, value)
         # a sweep whose trials were all pruned or failed found nothing: FAILED, not FINISHED
         status = ("finished" if summary.n_complete else "no_completed_trial") if summary.done else "incomplete"
         self.tracking.set_tags(
@@ -165,6 +168,7 @@ class SweepRecorder:
                 "trial_steps": summary.trial_steps,
                 "best_trial": best[0]["number"] if best else None,
                 "verdict": summary.verdict_line(),
+                "cost": summary.cost_line() or None,
                 "mlflow.note.content": _sweep_note(summary, status),
             },
         )
@@ -192,7 +196,11 @@ def _sweep_note(summary, status: str) -> str:
     lines = [line for line in summary.lines() if not line.startswith(("summary:", "dashboard:"))]
     return "\n".join(
         [
-            f"**Optuna sweep `{summary.study}`**: each child run is one trial.",
+            f"**Optuna sweep `{summary.study}`**: each child run is one trial (seed runs carry `ballast.seed_of_trial`).",
+            "",
+            "± is the half-width of a 95 % interval (simultaneous over the trials compared where the verdict says so); "
+            "`Gain/*` is a completed trial's final gain over the base model, `Gain at stop/*` a pruned one's where it "
+            "stopped.",
             "",
             f"**Ended: {status.replace('_', ' ')}.**",
             "",

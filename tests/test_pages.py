@@ -227,7 +227,7 @@ def test_run_report_shows_what_the_model_wrote_and_held_out_uncertainty(browser,
     page = Page(browser, run_report(tmp_path, steps=30))
     assert_clean(page)
     text = page.text
-    assert "eval/accuracy (held out)\t0.250 before training → 0.625 ± 0.040" in text
+    assert "eval/accuracy (held out)\t0.250 before training → 0.625 ± 0.079 (95 %)" in text
     assert "eval/accuracy_stderr" not in text  # shown beside its score, not as a score of its own
     assert "Held-out samples (final checkpoint, step 30)" in text and "Training samples (last step)" in text
     rows = re.sub(r"\s+", " ", text)  # a completion is a <pre>: the browser puts it on lines of its own

@@ -134,10 +134,10 @@ def test_an_in_training_eval_prints_its_line_on_a_terminal_with_its_uncertainty(
     view.on_step(10, {"reward": 0.5, "eval/accuracy": 0.289, "eval/accuracy_stderr": 0.04, "eval/reward": 0.3})
     lines = [line for line in screen.getvalue().splitlines() if line.strip()]
     assert len(lines) == 1
-    assert lines[0].startswith("step 10/50  reward 0.5  eval/accuracy 0.289 ± 0.04  eval/reward 0.3  (")
+    assert lines[0].startswith("step 10/50  reward 0.5  eval/accuracy 0.289 ± 0.078  eval/reward 0.3  (")  # 95 %
 
 
-def test_the_final_summary_shows_held_out_scores_with_their_standard_error():
+def test_the_final_summary_shows_held_out_scores_with_their_95_percent_interval():
     from tasks.summary import PipelineResult
 
     result = PipelineResult(
@@ -148,7 +148,7 @@ def test_the_final_summary_shows_held_out_scores_with_their_standard_error():
         eval={"eval/accuracy": 0.289, "eval/accuracy_stderr": 0.0402, "eval/reward": 0.31},
     )
     assert [line for line in result.lines() if "held out" in line] == [
-        "eval/accuracy (held out): 0.250 before training → 0.289 ± 0.040",
+        "eval/accuracy (held out): 0.250 before training → 0.289 ± 0.079 (95 %)",
         "eval/reward (held out): 0.310",
     ]
 

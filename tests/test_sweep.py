@@ -291,7 +291,8 @@ def test_sweep_is_one_mlflow_parent_run_with_a_child_run_per_trial(finished_swee
         assert t.user_attrs["mlflow_run_id"] == run.info.run_id
         if t.state.name == "COMPLETE":
             assert run.data.metrics["objective/eval/reward"] == pytest.approx(t.value)
-        assert run.data.metrics["Gain/eval/reward"] == pytest.approx(t.user_attrs["gain"])  # pruned trials too
+        head = "Gain" if t.state.name == "COMPLETE" else "Gain at stop"  # a pruned trial's gain, apart from final ones
+        assert run.data.metrics[f"{head}/eval/reward"] == pytest.approx(t.user_attrs["gain"])
         assert "eval/reward_stderr" in run.data.metrics
 
 
@@ -310,7 +311,8 @@ def test_the_baseline_is_measured_once_before_the_first_trial_and_every_trial_is
         assert gain == pytest.approx(score - baseline.metrics["eval/reward"])
         assert t.user_attrs["beats_baseline"] == (gain > Z95 * se)
     verdict = parent.data.tags["ballast.verdict"]
-    assert verdict.startswith(("best: trial ", "no trial beat the base model beyond noise"))
+    assert verdict.startswith(("trial ", "no trial beat the base model"))  # the claim, then what it rests on
+    assert "best on the selection prompts: trial " in verdict  # 8 held-out prompts: too few to keep some back
 
 
 def test_sweep_summary_is_logged_to_the_parent_run(finished_sweep):

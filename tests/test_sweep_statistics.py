@@ -75,6 +75,13 @@ def simulated_verdict(
     rep: int, effects: list[float], eval_prompts: int = 256, seeds: int = 3, samples: int = 1, seed_sd: float = SEED_SD
 ):
     """Run one simulated sweep through the real code; the Confirmation."""
+    return simulated_study(rep, effects, eval_prompts, seeds, samples, seed_sd)[2]
+
+
+def simulated_study(
+    rep: int, effects: list[float], eval_prompts: int = 256, seeds: int = 3, samples: int = 1, seed_sd: float = SEED_SD
+):
+    """One simulated sweep run through the real code: (its sweep, its study, its Confirmation)."""
     sweep, split = simulated_sweep_file(eval_prompts, seeds, samples)
     sim = SimulatedSweep(rep, effects, split.n_held_out, samples, seed_sd)
     study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=rep))
@@ -100,7 +107,7 @@ def simulated_verdict(
     def retrain(jobs):
         return [SeedResult(scored(j.params["lora.r"] - 1, j.seed)) for j in jobs]
 
-    return confirm(study, sweep, load_baseline(study), split, score, retrain, log=lambda line: None)
+    return sweep, study, confirm(study, sweep, load_baseline(study), split, score, retrain, log=lambda line: None)
 
 
 def share(outcomes: list[bool]) -> float:

@@ -1,0 +1,80 @@
+"""What a user reads agrees with the statistics (issue 30): the plots' legends list only what happened and their log
+axes are labelled, a trial's bar is its paired interval read against the base model's line (no band of the base
+model's own interval), the sweep's MLflow experiment is its study's, `ballast validate SWEEP` refuses an edited file
+of an existing study as the run would, and a busy machine is said at the start."""
+
+import math
+
+import optuna
+import pytest
+import yaml
+
+from flows.machine import load_warning
+from sweeps.report import _legend_kinds, _plot_row, _slice
+from sweeps.space import baseline_spec, load_sweep
+from tasks.spec import validate_spec
+from tests.conftest import tiny_spec
+from tests.test_sweep_baseline import relative_study, sweep_of
+
+
+def test_legends_list_only_the_kinds_of_trial_that_happened():
+    labels = [h.get_label() for h in _legend_kinds([{"kind": "COMPLETE"}, {"kind": "pruned"}])]
+    assert labels == ["complete", "pruned (pruner)"]  # nothing collapsed: no 'collapsed' in the legend
+
+
+def test_a_log_scaled_parameter_axis_has_labelled_ticks_and_each_trial_its_paired_interval(tmp_path):
+    study = relative_study([0.32, 0.75, 0.5], collapsed=0)
+    sweep = sweep_of(tmp_path)
+    rows = [_plot_row(t, sweep) for t in study.trials]
+    assert all(r["ci95"] == pytest.approx(1.96 * t.user_attrs["gain_stderr"]) for r, t in zip(rows, study.trials)
+               if t.state.name == "COMPLETE")  # fmt: skip
+    fig = _slice(rows, sweep, "eval/reward", (0.3, 0.0))
+    lr_axis = fig.axes[0]
+    labels = [t.get_text() for t in lr_axis.get_xticklabels()]
+    assert labels == ["1.00e-04", "7.07e-03", "0.5"]  # the range's ends and its geometric middle
+    assert [t for t in lr_axis.get_xticks()] == pytest.approx([1e-4, math.sqrt(1e-4 * 0.5), 0.5])
+    legend = [t.get_text() for t in lr_axis.get_legend().get_texts()] if lr_axis.get_legend() else []
+    legend += [t.get_text() for t in fig.axes[-1].get_legend().get_texts()]
+    assert "base model ± 95 %" not in legend and "bars: each trial's paired 95 % interval" in legend
+    assert "collapsed (health gate)" not in legend
+
+
+def test_the_sweeps_mlflow_experiment_is_named_after_its_study(tmp_path):
+    sweep = sweep_of(tmp_path)
+    assert validate_spec(baseline_spec(sweep), "x").tracking.experiment == "rel"
+    named = sweep_of(tmp_path, overrides={"tracking.experiment": "mine"})
+    assert validate_spec(baseline_spec(named), "x").tracking.experiment == "mine"
+
+
+def test_a_busy_machine_is_said_with_the_fix():
+    spec = validate_spec(tiny_spec("/models/not-loaded-here", model={"torch_threads": 2}), "x")
+    line = load_warning(spec, load=2.6, cpus=2)
+    assert line.startswith("warning: this machine is busy (load 2.6 on 2 cores) and each trial uses 2 torch threads")
+    assert "--set model.torch_threads=1" in line
+    assert load_warning(spec, load=0.2, cpus=2) is None
+    assert load_warning(spec, load=1.0, cpus=8) is None
+
+
+def test_validate_refuses_an_edited_sweep_file_of_an_existing_study(tiny_model, tmp_path, capsys):
+    from flows.cli import main
+    from sweeps.study import make_storage, open_study
+
+    project = tmp_path / "p"
+    base = tiny_spec(tiny_model, project_dir=str(project))
+    data = {"study": "edited", "base": base, "space": {"grpo.beta": {"type": "float", "low": 0.01, "high": 0.1}},
+            "overrides": {"optim.steps": 4}, "trials": 2}  # fmt: skip
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(data))
+    project.mkdir()
+    sweep = load_sweep(path)
+    open_study(sweep, make_storage(f"sqlite:///{project / 'optuna.db'}"))
+    assert main(["validate", str(path)]) == 0
+    assert "resumes   study edited in sqlite:///" in capsys.readouterr().out
+    data["overrides"]["optim.steps"] = 6
+    path.write_text(yaml.safe_dump(data))
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "study 'edited' already exists in this storage with a different 'overrides'" in err and "\n" not in err.strip()
+    )
+    assert optuna.load_study(study_name="edited", storage=f"sqlite:///{project / 'optuna.db'}")
