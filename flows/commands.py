@@ -233,19 +233,20 @@ def _validate_population(path: str, sets: list[str]) -> int:
 def _check_stored_study(sweep) -> str | None:
     """The study `ballast sweep` would resume, if it exists: its stored definition must match the file (what
     open_study refuses at start). The line saying which study it resumes, or None for a new one."""
-    from sweeps.study import check_definition, redact_url, stored_definition, study_storage
+    from sweeps.stored import check_definition, storage_url, stored_definition
 
-    url = study_storage(sweep, None)
+    url = storage_url(sweep)
     try:
         stored = stored_definition(sweep, url)
     except Exception as e:  # a storage that is down is the run's to refuse; validate says it could not look
-        print(f"warning: could not read the study storage {redact_url(url)} ({type(e).__name__}); a resumed study "
+        print(f"warning: could not read the study storage ({type(e).__name__}); a resumed study "
               "is checked when the sweep starts")  # fmt: skip
         return None
     if stored is None:
         return None
     check_definition(sweep, stored)
-    return f"study {sweep.study_name} in {redact_url(url)}: the file matches the definition it was created with"
+    where = url.split("@")[-1] if "@" in url else url  # no user name, no password
+    return f"study {sweep.study_name} in {where}: the file matches the definition it was created with"
 
 
 def _validated(spec: ExperimentSpec, path: str) -> int:

@@ -52,9 +52,9 @@ from tasks.summary import PipelineResult
 from .pruning import TrialPruning, verdict
 from .runner import RunnerReport
 from .space import SweepError, SweepSpec, suggest, trial_spec
+from .stored import SWEEP_ATTR, check_definition
 
 DONE = (TrialState.COMPLETE, TrialState.PRUNED)
-SWEEP_ATTR = "ballast.sweep"  # study user attr: the sweep definition (JSON)
 TRIALS_ATTR = "ballast.n_trials"  # study user attr: the total the study should end with
 SQLITE_TIMEOUT_S = 60  # how long a SQLite writer waits for another process's lock
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"  # trial user attr `worker`: who ran it
@@ -253,34 +253,6 @@ def open_study(sweep: SweepSpec, storage: RDBStorage, n_trials: int | None = Non
     study.set_user_attr(TRIALS_ATTR, int(n_trials or sweep.n_trials))
     study.sampler = make_sampler(sweep, worker, len(study.trials))
     return study
-
-
-def check_definition(sweep: SweepSpec, stored: str) -> None:
-    """The sweep file against the definition its study was created with (study user attr SWEEP_ATTR): a resume may
-    change the trial count, storage and what happens after the search, nothing else."""
-    import json
-
-    before = SweepSpec.model_validate(json.loads(stored)).definition()
-    now = sweep.definition()
-    changed = next((k for k in now if before.get(k) != now.get(k)), None)
-    if changed:
-        raise SweepError(
-            f"study {sweep.study_name!r} already exists in this storage with a different '{changed}'; resume it "
-            "with the sweep file it started with (only trials may change), or name a new study"
-        )
-
-
-def stored_definition(sweep: SweepSpec, url: str) -> str | None:
-    """The definition the sweep's study was created with in `url`, or None when there is no such study (a SQLite
-    file that does not exist is not created)."""
-    if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
-        return None
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = optuna.storages.RDBStorage(url)
-    names = {s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}
-    if sweep.study_name not in names:
-        return None
-    return optuna.load_study(study_name=sweep.study_name, storage=storage).user_attrs.get(SWEEP_ATTR)
 
 
 def join_study(name: str, storage: RDBStorage, worker: int = 0) -> tuple[optuna.Study, SweepSpec]:

@@ -9,6 +9,7 @@ artifact), its gain over the baseline is its first metric (GAIN_TAG), and its na
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from tasks.tracking import GAIN_TAG, SWEPT_TAG, Tracking, user_name
@@ -25,6 +26,7 @@ class SweepRecorder:
         self.client = self.tracking.client
         self.parent_run_id: str | None = None
         self.objective: str | None = None  # a held-out objective (eval/*): trial runs carry Gain/<it>
+        self.log_scaled: list[str] = []  # swept on a log scale: trial runs carry log10/<param> for Compare's axes
 
     def open_parent(self, study, params: dict[str, str], tags: dict) -> str:
         """The study's parent run: created with the study, found again on resume."""
@@ -126,6 +128,9 @@ class SweepRecorder:
         for key, value in attrs.items():
             if key.startswith("objective/"):
                 self.client.log_metric(rid, key, float(value))
+        for name in self.log_scaled:  # MLflow's parallel coordinates have linear axes: a log-scaled one as its log
+            if isinstance(frozen.params.get(name), (int, float)) and frozen.params[name] > 0:
+                self.client.log_metric(rid, f"log10/{name}", math.log10(frozen.params[name]))
         if attrs.get("gain") is not None:  # capitalised: Compare's plots open on the first metric, sorted
             key, step = attrs.get("gain_metric", "score"), int(attrs.get("last_step") or 0)
             head = "Gain" if frozen.state.name == "COMPLETE" else "Gain at stop"  # final and pruned gains apart
@@ -196,7 +201,7 @@ def _sweep_note(summary, status: str) -> str:
     lines = [line for line in summary.lines() if not line.startswith(("summary:", "dashboard:"))]
     return "\n".join(
         [
-            f"**Optuna sweep `{summary.study}`**: each child run is one trial (seed runs carry `ballast.seed_of_trial`).",
+            f"**Optuna sweep `{summary.study}`**: each child run is one trial (a seed run: `ballast.seed_of_trial`).",
             "",
             "± is the half-width of a 95 % interval (simultaneous over the trials compared where the verdict says so); "
             "`Gain/*` is a completed trial's final gain over the base model, `Gain at stop/*` a pruned one's where it "

@@ -78,3 +78,28 @@ def test_validate_refuses_an_edited_sweep_file_of_an_existing_study(tiny_model, 
         "study 'edited' already exists in this storage with a different 'overrides'" in err and "\n" not in err.strip()
     )
     assert optuna.load_study(study_name="edited", storage=f"sqlite:///{project / 'optuna.db'}")
+
+
+def test_a_trial_run_carries_its_log_scaled_parameters_as_their_log_and_a_pruned_gain_apart(tmp_path):
+    """MLflow's Compare draws linear axes: a log-scaled parameter is also logged as log10/<name>; a pruned trial's
+    gain is `Gain at stop/*`, never mixed with the completed trials' final `Gain/*`."""
+    from sweeps.space import base_spec
+    from tasks.sweep_record import SweepRecorder
+
+    study = relative_study([0.75], collapsed=0, pruned=1)
+    sweep = sweep_of(tmp_path)
+    recorder = SweepRecorder(validate_spec(base_spec(sweep), "x"), "rel")
+    recorder.objective, recorder.log_scaled = "eval/reward", ["optim.learning_rate"]
+    recorder.open_parent(study, {}, {})
+    runs = {}
+    for t in study.trials:
+        runs[t.number] = recorder.tracking.create_run(f"trial {t.number}", recorder.parent_run_id)
+        recorder.tracking.set_tags(runs[t.number], {"study": "rel", "trial_number": t.number})
+        t.user_attrs["gain_metric"] = "eval/reward"
+        t.user_attrs.setdefault("gain", -0.1)  # the pruned trial's, at the step it stopped
+        t.user_attrs.setdefault("gain_stderr", 0.05)
+        recorder.record_trial(study, t)
+    done, pruned = (recorder.client.get_run(runs[n]).data.metrics for n in (0, 1))
+    assert done["log10/optim.learning_rate"] == pytest.approx(math.log10(study.trials[0].params["optim.learning_rate"]))
+    assert "Gain/eval/reward" in done and "Gain at stop/eval/reward" not in done
+    assert "Gain at stop/eval/reward" in pruned and "Gain/eval/reward" not in pruned
