@@ -267,7 +267,7 @@ def cmd_quickstart(args) -> int:
     path = REPO / "examples" / "quickstart.yaml"
     spec = load_spec(path, args.set)
     runtime.prestart(spec.project_dir)
-    ensure_base_model(spec)  # the first run builds the tiny model (~2 min) while Prefect's server starts
+    ensure_base_model(spec)  # the first run copies the shipped tiny model while Prefect's server starts
     return _run_pipeline(spec.project_dir, str(path), args.set, None)
 
 

