@@ -180,9 +180,15 @@ def _regress_command(command) -> None:
 
 def _sweep_command(command) -> None:
     p = command("sweep", "an Optuna sweep of pipeline runs: create or resume the study, run trials, write the summary")
-    p.add_argument("file", help="sweep YAML (see examples/sweep.yaml)")
+    p.add_argument("file", nargs="?", help="sweep YAML (see examples/sweep.yaml)")
     p.add_argument(
         "--trials", type=int, help="the study's total of finished (COMPLETE + PRUNED) trials; overrides the file"
+    )
+    p.add_argument(
+        "--delete",
+        metavar="STUDY",
+        help="delete the study from the storage (--storage, FILE's, or the project folder's) and its MLflow parent "
+        "run with every trial run under it",
     )
     p.add_argument(
         "--workers",

@@ -686,6 +686,10 @@ def cmd_sweep(args) -> int:
     from flows import runtime
     from sweeps.space import base_spec, load_sweep
 
+    if args.delete is not None:
+        return _delete_sweep(args)
+    if not args.file:
+        raise UserError("give a sweep file (ballast sweep FILE) or a study to delete (ballast sweep --delete STUDY)")
     if args.trials is not None and args.trials < 1:
         raise UserError(f"--trials {args.trials}: give 1 or more (the study's total of finished trials)")
     if args.workers < 0:
@@ -764,6 +768,23 @@ def _promote(args) -> int:
     result = promote(study, sweep, args.promote, args.cont, list(args.set))
     _print_result(result, sweep.base.get("project_dir", ".ballast"))
     return 0 if result.status == "finished" else 3
+
+
+def _delete_sweep(args) -> int:
+    """`ballast sweep --delete STUDY`: the study and its MLflow records, both (flows/sweep.py `delete_sweep`)."""
+    from flows.sweep import delete_sweep
+    from sweeps.space import load_sweep
+    from sweeps.study import default_storage, study_storage
+
+    _check_storage_flag(args.storage)
+    if args.storage:
+        url = args.storage
+    elif args.file:
+        url = study_storage(load_sweep(args.file, args.set), None)
+    else:
+        url = default_storage(".ballast")
+    print(delete_sweep(args.delete, url))
+    return 0
 
 
 def _check_worker_nodes(sweep, storage: str | None) -> None:

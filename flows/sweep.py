@@ -161,6 +161,20 @@ def record_compute(recorder: SweepRecorder, summary: SweepSummary) -> None:
     recorder.tracking.set_tags(recorder.parent_run_id, {"compute": summary.compute.line()})
 
 
+def delete_sweep(study_name: str, storage_url: str) -> str:
+    """The study deleted from its storage, and its MLflow parent run with every trial run (and their stage runs)
+    under it: nothing of the sweep is left behind. What was deleted, as a line."""
+    study, sweep = join_study(study_name, make_storage(storage_url))
+    recorder, n_trials = make_recorder(sweep), len(study.trials)
+    try:
+        recorder.join(study)
+        runs = f"its MLflow parent run {recorder.parent_run_id} and {recorder.delete() - 1} run(s) under it"
+    except Exception as e:  # a study with no parent run, or whose tracking store forgot it: the study still goes
+        runs = f"no MLflow runs ({e})"
+    optuna.delete_study(study_name=study_name, storage=study._storage)
+    return f"deleted study {study_name} ({n_trials} trials) from {redact_url(storage_url)} and {runs}"
+
+
 summary_task = task(write_summary, name="sweep-summary", cache_policy=NO_CACHE, persist_result=False)
 
 

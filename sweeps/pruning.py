@@ -33,6 +33,7 @@ import math
 import optuna
 
 from tasks.summary import PipelineResult
+from trainer.checkpoint import fault_point
 from trainer.loop import Callbacks
 
 from .baseline import gain_of, load_baseline
@@ -61,6 +62,8 @@ class TrialPruning(Callbacks):
         self.vetoed: list[int] = []  # steps where the pruner said stop and the interval said not yet
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
+        for fault in ("kill-in-trial", "hold-in-trial"):  # BALLAST_FAULT=kill-in-trial-1-step:2: the sweep tests' hooks
+            fault_point(f"{fault}-{self.trial.number}-step", step)
         if not self.active:
             return
         value = metrics.get(self.metric)
@@ -78,7 +81,7 @@ class TrialPruning(Callbacks):
             return None  # pruning a trial at its last step would save nothing and discard its finished result
         if not self.trial.should_prune():
             return None
-        pruner = type(self.trial.study.pruner).__name__
+        pruner = type(getattr(self.trial.study.pruner, "pruner", self.trial.study.pruner)).__name__  # unwrapped
         se = self.stderrs.get(str(step))
         if se is None:  # no interval to account for (the training reward): the pruner's decision stands
             return (

@@ -17,13 +17,17 @@ How a sweep grows past one process, with nothing home-made but the loop's stoppi
   is finishing them, or they are stale, see below) and go on if one failed. A trial that still finds
   itself past the total once started (two workers found room at the same moment) is failed as
   surplus without running, so workers together never overshoot.
-- **Seeds.** A new study's worker k samples with `seed + k`; a process that resumes a study gets a
-  seed from (seed, worker, trials so far), so it never replays the proposals of an earlier run.
-- **Interrupted trials.** Workers write a heartbeat (`RDBStorage(heartbeat_interval, grace_period)`).
-  A RUNNING trial whose worker went silent longer than the grace period (killed, node lost) is failed
-  by the next worker that looks — failed trials are never counted as results — and its configuration
-  is queued again (`RetryHeartbeatStaleTrialCallback`, `heartbeat.retries` times).
-  A trial stopped by Ctrl-C is failed by Optuna itself.
+- **Seeds.** Each new configuration is sampled by a sampler seeded by its place in the study's sequence
+  (`sampler_seed`: worker k's first `seed + k`, each after it from (seed, worker, place)), so a resumed
+  study samples what the uninterrupted one would have, and never replays the proposals of an earlier run.
+- **Interrupted trials run again, never replaced** (sweeps/runner.py's contract). A trial stopped by
+  Ctrl-C or SIGTERM is failed (not counted) and its configuration queued again at once (`requeue`); one
+  whose worker died is failed and queued by the next worker that looks — at once when the worker was a
+  process of this machine that is gone (`fail_dead_workers`), after the heartbeat's grace period
+  otherwise (`RDBStorage(heartbeat_interval, grace_period)`, `heartbeat.retries` times). The queued
+  configuration runs before any new one is sampled; its attempts' MLflow runs are deleted when it starts
+  (tasks/sweep_record.py `discard_trial_runs`), and pruners leave the interrupted attempts' rungs out
+  (`WithoutInterrupted`): the finished study holds each configuration once.
 - **The trial.** `run_trial` asks the trial for values (define-by-run), builds the trial's experiment
   spec, and calls *the function that runs a pipeline*, given by the caller: sweeps/ never imports
   flows/ (DESIGN.md) — flows/sweep.py passes a Prefect subflow around the pipeline.
@@ -43,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+from optuna.storages import RDBStorage
 from optuna.study import MaxTrialsCallback
 from optuna.trial import FrozenTrial, TrialState
 
@@ -61,6 +65,9 @@ WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"  # trial user attr `worker`:
 NODE_ATTR = "ballast.node."  # study user attrs `ballast.node.<when>.<worker>`: a worker node's usage (JSON)
 COMPUTE_ATTR = "compute"  # trial user attr: what the trial's own train-stage node used (its MLflow compute/*)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+INTERRUPTED_ATTR = "ballast.interrupted."  # study user attrs `ballast.interrupted.<trial>`: why it was interrupted
+STOPPED = "stopped by Ctrl-C or SIGTERM mid-trial; failed, not counted, its configuration queued to run again"
+RETRY_ATTR = "ballast.retry_of"  # trial user attr: the numbers of the interrupted attempts it runs again
 
 
 @contextmanager
@@ -149,54 +156,155 @@ def make_storage(
 
 
 class _Interrupted:
-    """Heartbeat-stale trial: note it on the study, tell the caller, re-queue its configuration."""
+    """A trial whose worker stopped mid-trial (heartbeat-stale, or a dead process of this machine): noted on the
+    study, told to the caller, its configuration queued again (`requeue`; `heartbeat.retries` times for a worker
+    that went silent elsewhere, always for one known dead)."""
 
     def __init__(self, retries: int, notify=None):
-        with _experimental_ok():
-            self.retry = RetryHeartbeatStaleTrialCallback(max_retry=retries) if retries else None
-        self.notify = notify
+        self.retries, self.notify = retries, notify
 
-    def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
-        study.set_user_attr(
-            f"ballast.interrupted.{trial.number}",
-            "its worker stopped sending heartbeats mid-trial; failed, not counted",
-        )
+    def __call__(self, study: optuna.Study, trial: FrozenTrial, dead: bool = False) -> None:
+        why = "its worker process died mid-trial" if dead else "its worker stopped sending heartbeats mid-trial"
         if self.notify is not None:
             try:
                 self.notify(study, trial)
             except Exception as e:  # never let bookkeeping stop a worker
                 warnings.warn(f"could not record interrupted trial {trial.number}: {e}", stacklevel=2)
-        if self.retry is not None:
-            with _experimental_ok():
-                self.retry(study, trial)
+        requeue(study, trial, f"{why}; failed, not counted", limit=None if dead else self.retries)
 
 
-def sampler_seed(sweep: SweepSpec, worker: int = 0, n_existing: int = 0) -> int:
-    """Worker k of a new study is seeded `seed + k` (workers with one seed would propose the same configurations).
-    A process that opens a study already holding trials gets a seed of its own from (seed, worker, number of
-    trials): re-seeded as at the start, its sampler would replay the first proposals — trial 3 of a resumed
-    study came out exactly trial 0's configuration, collapse and all. The grid sampler is the exception: it
-    numbers the grid's points in a seeded shuffle and skips the numbers the study has run, so every worker and
-    every resume must shuffle alike — `seed` itself."""
-    if n_existing == 0 or sweep.sampler.type == "grid":
-        return sweep.seed + (0 if sweep.sampler.type == "grid" else worker)
-    digest = hashlib.sha256(f"{sweep.seed}/{worker}/{n_existing}".encode()).digest()
+def requeue(study: optuna.Study, trial: FrozenTrial, why: str, limit: int | None = None) -> bool:
+    """An interrupted trial's configuration back in the study's queue (WAITING), to run again before any new one is
+    sampled; the trial is noted on the study as interrupted (INTERRUPTED_ATTR: pruners leave its rungs out, the
+    sampler does not count it). Its retry carries the numbers of the attempts before it (RETRY_ATTR), whose MLflow
+    runs the runner deletes when it starts it. Nothing queued for a trial killed before its values were
+    suggested, or past `limit` attempts."""
+    study.set_user_attr(f"{INTERRUPTED_ATTR}{trial.number}", why)
+    history = [*trial.user_attrs.get(RETRY_ATTR, []), trial.number]
+    if not trial.params or (limit is not None and len(history) > limit):
+        return False
+    study.enqueue_trial(dict(trial.params), user_attrs={RETRY_ATTR: history}, skip_if_exists=False)
+    return True
+
+
+def interrupted_numbers(study: optuna.Study) -> set[int]:
+    """The trials the study noted as interrupted (`requeue`)."""
+    return {int(k.removeprefix(INTERRUPTED_ATTR)) for k in study.user_attrs if k.startswith(INTERRUPTED_ATTR)}
+
+
+def retried(trial) -> list[int]:
+    """The earlier attempts this trial runs again (their numbers), none for a new configuration."""
+    return list(trial.user_attrs.get(RETRY_ATTR, []))
+
+
+def fail_dead_workers(study: optuna.Study) -> None:
+    """RUNNING trials whose worker was a process of this machine that is gone (SIGKILL, a crash): failed and
+    re-queued now, as a stale heartbeat would have them after its grace period — a sweep resumed at once runs the
+    killed configuration first, as the uninterrupted sweep ran it."""
+    storage, host = study._storage, WORKER_ID.split(":")[0]
+    callback = getattr(storage, "get_heartbeat_stale_trial_callback", lambda: None)()
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        where, _, pid = str(t.user_attrs.get("worker", "")).rpartition(":")
+        if where != host or not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        try:
+            storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue  # another worker failed it first
+        if isinstance(callback, _Interrupted):
+            callback(study, storage.get_trial(t._trial_id), dead=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def sampler_seed(sweep: SweepSpec, worker: int = 0, k: int = 0) -> int:
+    """The seed of worker `worker`'s `k`-th new configuration in the study (0, 1, ...; a re-queued trial is not a new
+    one): `seed + worker` for the first — workers with one seed would propose the same configurations — and one
+    drawn from (seed, worker, k) for each after it. A configuration's seed is its place in the sequence, not the
+    process that samples it: a sweep killed or interrupted and resumed samples what the uninterrupted sweep
+    sampled (the killed configuration first, re-queued, then the same sequence), and a resumed study never
+    replays its first proposals (trial 3 of a resumed study once came out exactly trial 0's configuration). The
+    grid sampler is the exception: it numbers the grid's points in a seeded shuffle and skips the numbers the
+    study has run, so every worker and every resume must shuffle alike — `seed` itself."""
+    if sweep.sampler.type == "grid":
+        return sweep.seed
+    if k == 0:
+        return sweep.seed + worker
+    digest = hashlib.sha256(f"{sweep.seed}/{worker}/{k}".encode()).digest()
     return int.from_bytes(digest[:4], "little")
 
 
-def make_sampler(sweep: SweepSpec, worker: int = 0, n_existing: int = 0) -> optuna.samplers.BaseSampler:
-    """The sweep's sampler, seeded by `sampler_seed`."""
-    s, seed = sweep.sampler, sampler_seed(sweep, worker, n_existing)
-    if s.type == "grid":
-        return optuna.samplers.GridSampler({k: p.grid_values() for k, p in sweep.space.items()}, seed=seed)
+def make_sampler(sweep: SweepSpec, worker: int = 0) -> optuna.samplers.BaseSampler:
+    """The sweep's sampler: the grid's, or one seeded per new configuration (`SeededPerTrial`)."""
+    if sweep.sampler.type == "grid":
+        values = {k: p.grid_values() for k, p in sweep.space.items()}
+        return optuna.samplers.GridSampler(values, seed=sampler_seed(sweep))
+    return SeededPerTrial(lambda k: _sampler(sweep, sampler_seed(sweep, worker, k)))
+
+
+def _sampler(sweep: SweepSpec, seed: int) -> optuna.samplers.BaseSampler:
+    s = sweep.sampler
     if s.type == "random":
         return optuna.samplers.RandomSampler(seed=seed)
-    return optuna.samplers.TPESampler(
-        seed=seed, n_startup_trials=s.n_startup_trials, multivariate=s.multivariate, constant_liar=True
-    )
+    with _experimental_ok():
+        return optuna.samplers.TPESampler(
+            seed=seed, n_startup_trials=s.n_startup_trials, multivariate=s.multivariate, constant_liar=True
+        )
+
+
+class SeededPerTrial(optuna.samplers.BaseSampler):
+    """A sampler made afresh for each trial, seeded by the trial's place among the study's new configurations (`k`:
+    trials before it that sampled their values — neither re-queued nor killed before suggesting). What it proposes
+    depends on the study's history and `k` alone, not on how many processes sampled before it."""
+
+    def __init__(self, make: Callable[[int], optuna.samplers.BaseSampler]):
+        self.make, self.samplers = make, {}
+
+    def of(self, study: optuna.Study, trial: FrozenTrial) -> optuna.samplers.BaseSampler:
+        if trial.number not in self.samplers:
+            earlier = study.get_trials(deepcopy=False)
+            k = sum(1 for t in earlier if t.number < trial.number and t.params and "fixed_params" not in t.system_attrs)
+            self.samplers[trial.number] = self.make(k)
+        return self.samplers[trial.number]
+
+    def infer_relative_search_space(self, study, trial):
+        return self.of(study, trial).infer_relative_search_space(study, trial)
+
+    def sample_relative(self, study, trial, search_space):
+        return self.of(study, trial).sample_relative(study, trial, search_space)
+
+    def sample_independent(self, study, trial, param_name, param_distribution):
+        return self.of(study, trial).sample_independent(study, trial, param_name, param_distribution)
+
+    def before_trial(self, study, trial) -> None:
+        self.of(study, trial).before_trial(study, trial)
+
+    def after_trial(self, study, trial, state, values) -> None:
+        self.samplers.pop(trial.number, self.make(0)).after_trial(study, trial, state, values)
+
+    def reseed_rng(self) -> None:  # each trial's sampler is seeded by its place already
+        pass
 
 
 def make_pruner(sweep: SweepSpec) -> optuna.pruners.BasePruner:
+    """The sweep's pruner; successive halving's blind to interrupted trials (`WithoutInterrupted`). The median and
+    percentile pruners read COMPLETE trials alone; Hyperband is left as Optuna makes it (its samplers find it by
+    type, to read each bracket apart)."""
+    pruner = _pruner(sweep)
+    if isinstance(pruner, optuna.pruners.SuccessiveHalvingPruner):
+        return WithoutInterrupted(pruner)
+    return pruner
+
+
+def _pruner(sweep: SweepSpec) -> optuna.pruners.BasePruner:
     p = sweep.pruner
     if p.type == "median":
         return optuna.pruners.MedianPruner(n_startup_trials=p.n_startup_trials, n_warmup_steps=p.n_warmup_steps)
@@ -213,6 +321,35 @@ def make_pruner(sweep: SweepSpec) -> optuna.pruners.BasePruner:
             min_resource=p.min_resource, max_resource=p.max_resource or "auto", reduction_factor=p.reduction_factor
         )
     return optuna.pruners.NopPruner()
+
+
+class WithoutInterrupted(optuna.pruners.BasePruner):
+    """A pruner that compares a trial with the study's trials less the interrupted ones: a killed attempt's rung
+    values (successive halving keeps them on the trial, whatever its state) would count its configuration twice
+    once its re-queued run reaches the rung, and prune others where the uninterrupted sweep did not."""
+
+    def __init__(self, pruner: optuna.pruners.BasePruner):
+        self.pruner = pruner
+
+    def prune(self, study: optuna.Study, trial: FrozenTrial) -> bool:
+        return self.pruner.prune(_StudyWithout(study, interrupted_numbers(study)), trial)
+
+
+class _StudyWithout:
+    """The study as a pruner reads it, its trials less those numbered in `left_out`."""
+
+    def __init__(self, study: optuna.Study, left_out: set[int]):
+        self._study, self._left_out = study, left_out
+
+    def __getattr__(self, name: str):
+        return getattr(self._study, name)
+
+    def get_trials(self, deepcopy: bool = True, states=None) -> list[FrozenTrial]:
+        return [t for t in self._study.get_trials(deepcopy=deepcopy, states=states) if t.number not in self._left_out]
+
+    def _get_trials(self, deepcopy: bool = True, states=None, use_cache: bool = False) -> list[FrozenTrial]:
+        trials = self._study._get_trials(deepcopy=deepcopy, states=states, use_cache=use_cache)
+        return [t for t in trials if t.number not in self._left_out]
 
 
 # ------------------------------------------------------------------------------------------ the study
@@ -251,7 +388,7 @@ def open_study(sweep: SweepSpec, storage: RDBStorage, n_trials: int | None = Non
             f"the sweep file asks for {sweep.directions}; name a new study"
         )
     study.set_user_attr(TRIALS_ATTR, int(n_trials or sweep.n_trials))
-    study.sampler = make_sampler(sweep, worker, len(study.trials))
+    study.sampler = make_sampler(sweep, worker)
     return study
 
 
@@ -274,7 +411,7 @@ def join_study(name: str, storage: RDBStorage, worker: int = 0) -> tuple[optuna.
         raise SweepError(f"study {name!r} was not created by `ballast sweep` (it has no sweep definition)")
     sweep = SweepSpec.model_validate(json.loads(attrs[SWEEP_ATTR]))
     study = optuna.load_study(study_name=name, storage=storage, pruner=make_pruner(sweep))
-    study.sampler = make_sampler(sweep, worker, len(study.trials))
+    study.sampler = make_sampler(sweep, worker)
     return study, sweep
 
 
@@ -363,7 +500,10 @@ def optimize(
         _check_surplus(study, trial, total)
         try:
             return objective(trial)
-        except (optuna.TrialPruned, KeyboardInterrupt):
+        except KeyboardInterrupt:  # Ctrl-C, SIGTERM: Optuna fails the trial; its configuration runs again first
+            requeue(study, trial, STOPPED)
+            raise
+        except optuna.TrialPruned:
             raise
         except Exception as e:
             trial.set_user_attr("error", f"{type(e).__name__}: {e}"[:2000])
@@ -385,6 +525,7 @@ def _until_done(study, total: int, deadline, poll_s, log, report: RunnerReport, 
     poll = poll_s or float(getattr(study._storage, "heartbeat_interval", None) or 5)
     waiting_said = False
     while True:
+        fail_dead_workers(study)
         with _experimental_ok():
             optuna.storages.fail_stale_trials(study)
         c = counts(study)
@@ -529,6 +670,7 @@ class AskTell:
             state = TrialState.PRUNED
         except KeyboardInterrupt as e:
             state, interrupted = TrialState.FAIL, str(e) or "interrupted"
+            requeue(self.study, trial, STOPPED)
         except Exception as e:
             trial.set_user_attr("error", f"{type(e).__name__}: {e}"[:2000])
             state = TrialState.FAIL

@@ -206,6 +206,7 @@ def run_on_node(
     recorded in `store` is raised again (`node_error`), any other failure as NodeStageFailed with its log."""
     restarts = 0
     while True:
+        clear_stage_record(store, run_id, stage)
         ended = compute.run(command, env or {}, relay)
         if ended.code == 0:
             return
@@ -225,6 +226,16 @@ def run_on_node(
         why = "preempted once more than infra.max_restarts allows" if ended.preempted else "failed"
         log = "\n".join(relay.tail[-LOG_TAIL:])
         raise NodeStageFailed(f"the {stage} stage on {compute.name} {why} ({ended.detail}); its last lines:\n{log}")
+
+
+def clear_stage_record(store, run_id: str | None, stage: str) -> None:
+    """Before each launch of `stage`: what an earlier launch recorded (`node/<stage>.json`) is cleared, so a node that
+    dies before it writes its own is never read as that earlier one's error."""
+    if store is not None and run_id:
+        try:
+            store.write_text(f"{node_prefix(run_id)}/{stage}.json", json.dumps({"state": "launching"}))
+        except Exception as e:  # the store away: the stage's own run finds it so, and says it
+            print(f"{stage}: its earlier record on the store was not cleared: {e}", flush=True)
 
 
 def read_stage_error(store, run_id: str, stage: str) -> Exception | None:

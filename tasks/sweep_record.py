@@ -148,6 +148,25 @@ class SweepRecorder:
         if run.info.status == "RUNNING":
             self.client.set_terminated(run.info.run_id, "KILLED")
 
+    def trial_runs(self, number: int) -> list:
+        """Every MLflow run trial `number` left under the parent run (one, unless it was interrupted and run again)."""
+        return self.client.search_runs(
+            [self.tracking.experiment_id],
+            filter_string=f"tags.mlflow.parentRunId = '{self.parent_run_id}' and tags.`ballast.study` = "
+            f"'{self.study_name}' and tags.`ballast.trial_number` = '{number}'",
+        )
+
+    def discard_trial_runs(self, numbers) -> None:
+        """The MLflow runs of interrupted attempts at a configuration that now runs again (sweeps/study.py
+        `requeue`), deleted with their stage runs: the study keeps one run per trial."""
+        for number in numbers:
+            for run in self.trial_runs(number):
+                self.tracking.delete_run_tree(run.info.run_id)
+
+    def delete(self) -> int:
+        """The sweep's parent run and every run under it deleted (`ballast sweep --delete`); how many."""
+        return self.tracking.delete_run_tree(self.parent_run_id) if self.parent_run_id else 0
+
     def record_summary(self, summary, out_dir: Path) -> None:
         """summary.json, summary.html and the plots onto the parent run, the best values as metrics."""
         rid = self.parent_run_id

@@ -188,6 +188,16 @@ class Tracking:
         for i in range(0, len(items), 500):
             self.client.log_batch(run_id, metrics=items[i : i + 500])
 
+    def delete_run_tree(self, run_id: str) -> int:
+        """Delete run `run_id` and every run nested under it, at any depth (MLflow's delete: they leave the UI and
+        every search); how many were deleted."""
+        children = self.client.search_runs(
+            [self.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'", max_results=10_000
+        )
+        deleted = sum(self.delete_run_tree(child.info.run_id) for child in children)
+        self.client.delete_run(run_id)
+        return deleted + 1
+
     def create_run(self, name: str, parent_run_id: str | None = None, tags: dict | None = None) -> str:
         run_tags = {"mlflow.runName": name, **(tags or {})}
         if parent_run_id:

@@ -31,7 +31,7 @@ from flows.view import PipelineView, flow_run_link
 from sweeps.pruning import TrialPruning
 from sweeps.runner import Budget, RunnerReport
 from sweeps.space import SweepError, base_spec, check_concurrent_sweep, largest_lora_rank
-from sweeps.study import AskTell, judge_trial, prepare_trial
+from sweeps.study import AskTell, judge_trial, prepare_trial, retried
 from tasks.checkpoint import CheckpointUploader
 from tasks.metrics_sink import TrackingUnavailable
 from tasks.record import RunRecorder
@@ -111,6 +111,7 @@ def open_trial(trial, sweep, recorder: SweepRecorder, label: str, node) -> OpenT
     """Ask the trial for its values and open its MLflow run as a pipeline run opens one (the fork verified first);
     its train job with the callbacks a pipeline run's train stage gets, Optuna's pruning among them."""
     spec = prepare_trial(trial, sweep)
+    recorder.discard_trial_runs(retried(trial))  # a re-queued configuration: its interrupted attempts' runs
     if node:  # the worker runs on a node the sweep provisioned: the trial's records go to the flow's stores
         spec = node_spec(spec, node["tracking_uri"], node["store_uri"], node["project_dir"])
     view = PipelineView(spec.optim.steps, terminal=False, log=_Prefixed(get_run_logger(), f"trial {trial.number}: "))

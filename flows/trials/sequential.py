@@ -5,7 +5,8 @@ Optuna's `study.optimize` drives the loop (sweeps/study.py `optimize`: the study
 worker, the time budget, a stop after `max_consecutive_failures`). A trial's values are suggested by `run_trial`,
 its pipeline run is a child of the sweep's MLflow parent run, and its verdict (`judge_trial`) is what Optuna is
 told. Ctrl-C or SIGTERM stop the running trial at a safe point and the sweep with it: KeyboardInterrupt, which
-the trial is failed by Optuna and the sweep stops.
+`optimize` answers by queueing the trial's configuration again (sweeps/runner.py's contract, item 3); when it runs
+again, its interrupted attempt's MLflow run is deleted first.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from flows.pipeline import run_pipeline
 from flows.trials.lines import TrialLines, TrialProgress, progress_metric
 from infra.compute import Usage
 from sweeps.runner import Budget, RunnerReport
-from sweeps.study import COMPUTE_ATTR, optimize, run_trial
+from sweeps.study import COMPUTE_ATTR, optimize, retried, run_trial
 from tasks.remote import node_spec
 from tasks.sweep_record import SweepRecorder
 from tasks.train import RunInterrupted
@@ -43,6 +44,7 @@ class SequentialRunner:
         label, node = self.label, self.node
 
         def run_fn(spec, callbacks, trial):
+            recorder.discard_trial_runs(retried(trial))  # a re-queued configuration: its interrupted attempts' runs
             progress = TrialProgress(trial.number, spec.optim.steps, label, metric=progress_metric(sweep))
             if node:  # the trial trains here, on this node: it never provisions another
                 spec = node_spec(spec, node["tracking_uri"], node["store_uri"], node["project_dir"])
