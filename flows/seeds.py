@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
 
-from flows.pipeline import Watch, after_training, open_run
+from flows.stages import Watch, after_training, open_run
 from flows.trials.lines import TrialProgress
 from flows.view import PipelineView, flow_run_link
 from sweeps.confirmation import SeedJob, SeedResult

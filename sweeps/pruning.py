@@ -81,7 +81,7 @@ class TrialPruning(Callbacks):
             return None  # pruning a trial at its last step would save nothing and discard its finished result
         if not self.trial.should_prune():
             return None
-        pruner = type(getattr(self.trial.study.pruner, "pruner", self.trial.study.pruner)).__name__  # unwrapped
+        pruner = next(c.__name__ for c in type(self.trial.study.pruner).__mro__ if c.__module__.startswith("optuna"))
         se = self.stderrs.get(str(step))
         if se is None:  # no interval to account for (the training reward): the pruner's decision stands
             return (

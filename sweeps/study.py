@@ -298,10 +298,12 @@ def make_pruner(sweep: SweepSpec) -> optuna.pruners.BasePruner:
     """The sweep's pruner; successive halving's blind to interrupted trials (`WithoutInterrupted`). The median and
     percentile pruners read COMPLETE trials alone; Hyperband is left as Optuna makes it (its samplers find it by
     type, to read each bracket apart)."""
-    pruner = _pruner(sweep)
-    if isinstance(pruner, optuna.pruners.SuccessiveHalvingPruner):
-        return WithoutInterrupted(pruner)
-    return pruner
+    p = sweep.pruner
+    if p.type == "successive_halving":
+        return WithoutInterrupted(
+            min_resource=p.min_resource, reduction_factor=p.reduction_factor, bootstrap_count=p.bootstrap_count
+        )
+    return _pruner(sweep)
 
 
 def _pruner(sweep: SweepSpec) -> optuna.pruners.BasePruner:
@@ -323,16 +325,13 @@ def _pruner(sweep: SweepSpec) -> optuna.pruners.BasePruner:
     return optuna.pruners.NopPruner()
 
 
-class WithoutInterrupted(optuna.pruners.BasePruner):
-    """A pruner that compares a trial with the study's trials less the interrupted ones: a killed attempt's rung
-    values (successive halving keeps them on the trial, whatever its state) would count its configuration twice
-    once its re-queued run reaches the rung, and prune others where the uninterrupted sweep did not."""
-
-    def __init__(self, pruner: optuna.pruners.BasePruner):
-        self.pruner = pruner
+class WithoutInterrupted(optuna.pruners.SuccessiveHalvingPruner):
+    """Successive halving that compares a trial with the study's trials less the interrupted ones: a killed attempt's
+    rung values (kept on the trial, whatever its state) would count its configuration twice once its re-queued run
+    reaches the rung, and prune others where the uninterrupted sweep did not."""
 
     def prune(self, study: optuna.Study, trial: FrozenTrial) -> bool:
-        return self.pruner.prune(_StudyWithout(study, interrupted_numbers(study)), trial)
+        return super().prune(_StudyWithout(study, interrupted_numbers(study)), trial)
 
 
 class _StudyWithout:
