@@ -89,7 +89,13 @@ def one_run_per_trial(path: Path, counted: set[int]) -> bool:
     parent = study(path).user_attrs["ballast.mlflow_parent_run_id"]
     exp = client.get_run(parent).info.experiment_id
     runs = client.search_runs([exp], f"tags.mlflow.parentRunId = '{parent}'", max_results=1000)
-    return sorted(int(r.data.tags["ballast.trial_number"]) for r in runs) == sorted(counted)
+    trials = [int(r.data.tags["ballast.trial_number"]) for r in runs if "ballast.trial_number" in r.data.tags]
+    seeds = [  # the confirmation's seed runs (flows/seeds.py): one per (trial, seed)
+        (r.data.tags.get("ballast.seed_of_trial"), r.data.tags.get("ballast.seed_offset"))
+        for r in runs
+        if "ballast.trial_number" not in r.data.tags
+    ]
+    return sorted(trials) == sorted(counted) and len(seeds) == len(set(seeds))
 
 
 def reference(work: Path, mode: str, trials: int | None, env: dict) -> tuple[dict, float]:
