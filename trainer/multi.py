@@ -269,69 +269,76 @@ class ConcurrentTrials:
         """Train every job; `on_end(outcome, trainer)` is called as each ends, its adapter still active (trainer is
         None for a trial that failed to start). Returns the outcomes in the order the trials ended."""
         pending, running, outcomes = iter(jobs), [], []
-
-        def end(trial: _Trial, stopped=None, interrupted=None, error=None) -> None:
-            t = trial.trainer
-            result = RunResult(
-                t.step,
-                stopped,
-                trial.last_checkpoint or _latest_path(t.ckpt_root),
-                trial.history,
-                trial.eval_start,
-                interrupted=interrupted,
-            )
-            outcome = TrialOutcome(trial.job, result, error)
-            try:
-                if on_end is not None:
-                    with self._active(trial):
-                        on_end(outcome, t)
-            finally:
-                t.rollouts.close()
-                if t.engine is not self.shared.engine:
-                    t.engine.close()  # its adapter leaves the shared vLLM server
-                self.shared.remove(trial.adapter)
-                running.remove(trial)
-                outcomes.append(outcome)
-
-        def fill() -> None:
-            while len(running) < self.slots:
-                job = next(pending, None)
-                if job is None:
-                    return
-                try:
-                    running.append(self._start(job))
-                except InputError:
-                    raise  # the spec is wrong for every trial: the user fixes it
-                except Exception as e:  # noqa: BLE001 — this trial failed to start; the others go on
-                    if self.shared is not None:
-                        self.shared.remove(f"trial_{self.started - 1}")
-                    outcome = TrialOutcome(job, None, e)
-                    outcomes.append(outcome)
-                    if on_end is not None:
-                        on_end(outcome, None)
-
         with SafePoint() as safe_point:
-            fill()
+            self._fill(pending, running, outcomes, on_end)
             while running:
                 t0 = time.perf_counter()
                 batches = self._sample(running)
                 for trial in list(running):
-                    step, total = trial.trainer.step + 1, trial.job.cfg.optim.steps
-                    try:
-                        with self._active(trial):
-                            m = trial.trainer.train_on(step, batches[trial.adapter], t0)
-                            trial.history.append(m)
-                            stopped, saved = trial.trainer.record_step(step, m, total, safe_point.stop_reason)
-                            trial.last_checkpoint = saved or trial.last_checkpoint
-                    except Exception as e:  # noqa: BLE001 — this trial failed; the others go on
-                        end(trial, stopped=f"failed: {type(e).__name__}", error=e)
-                        continue
-                    if stopped or step >= total:
-                        end(trial, stopped, interrupted=safe_point.received)
+                    ended = self._train_step(trial, batches[trial.adapter], t0, safe_point)
+                    if ended is not None:
+                        self._end(trial, running, outcomes, on_end, **ended)
                 if safe_point.received:
                     break
-                fill()
+                self._fill(pending, running, outcomes, on_end)
         return outcomes
+
+    def _train_step(self, trial: _Trial, batch, t0: float, safe_point: SafePoint) -> dict | None:
+        """One step of one trial on its sampled batch; how it ended (`_end`'s arguments), or None while it goes on."""
+        step, total = trial.trainer.step + 1, trial.job.cfg.optim.steps
+        try:
+            with self._active(trial):
+                m = trial.trainer.train_on(step, batch, t0)
+                trial.history.append(m)
+                stopped, saved = trial.trainer.record_step(step, m, total, safe_point.stop_reason)
+                trial.last_checkpoint = saved or trial.last_checkpoint
+        except Exception as e:  # noqa: BLE001 — this trial failed; the others go on
+            return {"stopped": f"failed: {type(e).__name__}", "error": e}
+        if stopped or step >= total:
+            return {"stopped": stopped, "interrupted": safe_point.received}
+        return None
+
+    def _fill(self, pending, running: list, outcomes: list, on_end) -> None:
+        """Start trials from `pending` while a slot is free; a trial that fails to start ends at once."""
+        while len(running) < self.slots:
+            job = next(pending, None)
+            if job is None:
+                return
+            try:
+                running.append(self._start(job))
+            except InputError:
+                raise  # the spec is wrong for every trial: the user fixes it
+            except Exception as e:  # noqa: BLE001 — this trial failed to start; the others go on
+                if self.shared is not None:
+                    self.shared.remove(f"trial_{self.started - 1}")
+                outcome = TrialOutcome(job, None, e)
+                outcomes.append(outcome)
+                if on_end is not None:
+                    on_end(outcome, None)
+
+    def _end(self, trial: _Trial, running: list, outcomes: list, on_end, stopped=None, interrupted=None, error=None):
+        """A trial's end: its outcome to `on_end` (its adapter active), then its engine and adapter released."""
+        t = trial.trainer
+        result = RunResult(
+            t.step,
+            stopped,
+            trial.last_checkpoint or _latest_path(t.ckpt_root),
+            trial.history,
+            trial.eval_start,
+            interrupted=interrupted,
+        )
+        outcome = TrialOutcome(trial.job, result, error)
+        try:
+            if on_end is not None:
+                with self._active(trial):
+                    on_end(outcome, t)
+        finally:
+            t.rollouts.close()
+            if t.engine is not self.shared.engine:
+                t.engine.close()  # its adapter leaves the shared vLLM server
+            self.shared.remove(trial.adapter)
+            running.remove(trial)
+            outcomes.append(outcome)
 
     # ------------------------------------------------------------------ pieces
 
