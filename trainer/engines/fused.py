@@ -193,11 +193,13 @@ def _row_tensors(segments, device) -> tuple[RowSampling, torch.Tensor]:
 
 
 @torch.inference_mode()
-def sample_fused(model, input_ids, attention_mask, segments, eos_ids: list[int], pad_id: int, decoder, check_every):
+def sample_fused(
+    model, input_ids, attention_mask, segments, eos_ids: list[int], pad_id: int, decoder, check_every, prefill
+):
     """(new tokens [R, <=N], their logprobs [R, <=N]) as engines/hf.py `sample` returns them, each token drawn inside
     the compiled step (`decoder.fused_step`): the host only queues one graph replay per token and looks at the
-    rows every `check_every` tokens to stop when all have ended. Prefill and the first draw run eagerly."""
-    from .hf import _prefill  # the eager loop's prefill, into the decoder's cache
+    rows every `check_every` tokens to stop when all have ended. Prefill (the eager loop's, engines/hf.py, into the
+    decoder's cache) and the first draw run eagerly."""
 
     rows, width = input_ids.shape
     device = input_ids.device
@@ -205,7 +207,7 @@ def sample_fused(model, input_ids, attention_mask, segments, eos_ids: list[int],
     sampling, ends = _row_tensors(segments, device)
     row_tensors = tuple(getattr(sampling, name) for name in RowSampling.__dataclass_fields__)
     eos = torch.tensor(eos_ids, device=device)
-    out, mask, cache = _prefill(model, input_ids, attention_mask, n_new, decoder, {})
+    out, mask, cache = prefill(model, input_ids, attention_mask, n_new, decoder, {})
     position = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -1:]
     logits = out.logits[:, -1]
     seen = torch.zeros(rows, logits.shape[-1], dtype=torch.bool, device=device).scatter_(1, input_ids, True)

@@ -123,7 +123,15 @@ class HFEngine:
         try:
             if self.fused_sampling and per_row is None and by_request is None:
                 return sample_fused(
-                    self.model, input_ids, attention_mask, segments, eos_ids, pad_id, self.decoder, STOP_CHECK_EVERY
+                    self.model,
+                    input_ids,
+                    attention_mask,
+                    segments,
+                    eos_ids,
+                    pad_id,
+                    self.decoder,
+                    STOP_CHECK_EVERY,
+                    prefill=_prefill,
                 )
             torch.manual_seed(segments[0].params.seed)
             extra = {"decoder": self.decoder} if self.decoder is not None else {}
