@@ -543,7 +543,7 @@ def spec_reference(model: type = ExperimentSpec, prefix: str = "") -> list[str]:
         if many:  # a list of sections (rewards): what the list is, and what it holds when not given
             lines.append(f"[{prefix}{name}{many}]  {' '.join((field.description or '').split())}")
             default = [item.model_dump(exclude_defaults=True) for item in field.default_factory()]
-            lines.append(f"  default: {default}")
+            lines.append(f"      default when not given: {default}")
             sub = spec_reference(section, f"{prefix}{name}{many}.")
             lines += sub[1:]  # its fields, under the heading above
         else:
