@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
 
-from flows.stages import Watch, after_training, open_run
+from flows.stages import Watch, finish_training, open_run
 from flows.trials.lines import TrialProgress
 from flows.view import PipelineView, flow_run_link
 from sweeps.confirmation import SeedJob, SeedResult
@@ -22,7 +22,7 @@ from sweeps.space import largest_lora_rank
 from tasks.checkpoint import CheckpointUploader
 from tasks.record import RunRecorder
 from tasks.spec import ExperimentSpec
-from tasks.train import ConcurrentTraining, RunInterrupted, TrainJob, TrainOutcome
+from tasks.train import ConcurrentTraining, TrainJob, TrainOutcome
 
 SEED_TAG = "seed_of_trial"  # a seed run's MLflow tag (ballast.seed_of_trial): the trial it retrains
 
@@ -91,16 +91,8 @@ def seed_callbacks(s: OpenSeed) -> list:
 def end_seed(s: OpenSeed, outcome: TrainOutcome | None, error: BaseException | None):
     """The seed run's train stage recorded, then checkpoint → artifact-probe → eval: its PipelineResult (None: it
     failed, its MLflow run failed with it). Ctrl-C or SIGTERM stops the confirmation."""
-    s.progress.close()
     try:
-        with s.watch.stage("train", started=s.started):
-            if error is not None:
-                raise error
-            s.watch.record(outcome)
-            outcome.raise_if_interrupted()
-        return after_training(s.spec, s.run, s.watch, outcome)
-    except (RunInterrupted, KeyboardInterrupt) as e:
-        raise KeyboardInterrupt(str(s.run.interrupted(e))) from e
+        return finish_training(s, outcome, error)
     except Exception as e:
         print(f"seed run {s.run.name} failed: {type(e).__name__}: {e}", flush=True)
         try:

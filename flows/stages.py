@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.exceptions import TerminationSignal
 
 from flows.view import PipelineView
 from tasks.checkpoint import CheckpointUploader, reachable_store, sync_checkpoints
@@ -25,7 +26,7 @@ from tasks.record import RunRecorder, StageError
 from tasks.remote import Node, eval_on_node, probe_on_node, train_on_node
 from tasks.spec import ExperimentSpec
 from tasks.tracking import Tracking, store_uri
-from tasks.train import run_training
+from tasks.train import RunInterrupted, run_training
 
 NO_RESULT = dict(cache_policy=NO_CACHE, persist_result=False)
 fork_task = task(fork, name="fork", **NO_RESULT)
@@ -134,3 +135,19 @@ class Watch:
     def record(self, result) -> None:
         self.view.recorded(result)
         self.run.record(result)
+
+
+def finish_training(o, outcome, error: BaseException | None):
+    """The end of a run trained among others in one process (a sweep trial, a confirmation seed run; `o` has its
+    spec, run, watch, progress and start time): its train stage recorded, then checkpoint → artifact-probe → eval,
+    as its pipeline run's. Ctrl-C or SIGTERM: a KeyboardInterrupt naming the interrupted run."""
+    o.progress.close()
+    try:
+        with o.watch.stage("train", started=o.started):
+            if error is not None:
+                raise error
+            o.watch.record(outcome)
+            outcome.raise_if_interrupted()
+        return after_training(o.spec, o.run, o.watch, outcome)
+    except (RunInterrupted, KeyboardInterrupt, TerminationSignal) as e:
+        raise KeyboardInterrupt(str(o.run.interrupted(e))) from e

@@ -22,10 +22,9 @@ import time
 from dataclasses import dataclass, field
 
 import optuna
-from prefect.exceptions import TerminationSignal
 from prefect.logging import get_run_logger
 
-from flows.stages import Watch, after_training, open_run
+from flows.stages import Watch, finish_training, open_run
 from flows.trials.lines import TrialLines, TrialProgress, progress_metric
 from flows.view import PipelineView, flow_run_link
 from sweeps.pruning import TrialPruning
@@ -39,7 +38,7 @@ from tasks.remote import node_spec
 from tasks.spec import ExperimentSpec, validate_spec
 from tasks.summary import PipelineResult
 from tasks.sweep_record import SweepRecorder
-from tasks.train import ConcurrentTraining, RunInterrupted, TrainJob, TrainOutcome
+from tasks.train import ConcurrentTraining, TrainJob, TrainOutcome
 
 
 class ConcurrentRunner:
@@ -130,16 +129,10 @@ def open_trial(trial, sweep, recorder: SweepRecorder, label: str, node) -> OpenT
 def end_trial(t: OpenTrial, outcome: TrainOutcome | None, error: BaseException | None) -> PipelineResult:
     """The trial's train stage recorded, then checkpoint → artifact-probe → eval and the verdict, as its pipeline
     run's (flows/pipeline.py `run_stages`); its MLflow run failed or interrupted as that run's would be."""
-    t.progress.close()
     try:
-        with t.watch.stage("train", started=t.started):
-            if error is not None:
-                raise error
-            t.watch.record(outcome)
-            outcome.raise_if_interrupted()
-        return after_training(t.spec, t.run, t.watch, outcome)
-    except (RunInterrupted, KeyboardInterrupt, TerminationSignal) as e:  # SIGTERM, Ctrl-C: stop the sweep
-        raise KeyboardInterrupt(str(t.run.interrupted(e))) from e
+        return finish_training(t, outcome, error)
+    except KeyboardInterrupt:  # SIGTERM, Ctrl-C: stop the sweep (its run is marked interrupted)
+        raise
     except TrackingUnavailable as e:
         raise t.run.metrics.lost(e) from e
     except BaseException as e:
