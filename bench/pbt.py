@@ -84,7 +84,7 @@ def _sweep_result(path: Path) -> dict:
     data = yaml.safe_load(path.read_text())
     storage = f"sqlite:///{data['overrides']['project_dir']}/optuna.db"
     study = optuna.load_study(study_name=data["study"], storage=storage)
-    spent = sum(len(t.intermediate_values) for t in study.trials)
+    spent = sum(t.user_attrs.get("last_step", 0) for t in study.trials)  # a pruned trial's steps too
     conf = load_confirmation(study)
     winner = conf.candidate(conf.winner) if conf is not None else None
     if winner is None or winner.judged is None:
