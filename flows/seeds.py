@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
 
-from flows.stages import Watch, finish_training, open_run
+from flows.stages import TrainTaskRun, Watch, finish_training, open_run
 from flows.trials.lines import TrialProgress
 from flows.view import PipelineView, flow_run_link
 from sweeps.confirmation import SeedJob, SeedResult
@@ -38,6 +38,7 @@ class OpenSeed:
     run: RunRecorder
     watch: Watch
     progress: object
+    task_run: TrainTaskRun
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -59,6 +60,10 @@ def retrain_concurrently(judge, jobs: list[SeedJob]) -> list[SeedResult]:
 
     try:
         training.run(train_jobs(), on_end)
+    except BaseException as e:  # Ctrl-C, SIGTERM: the seed runs still training end with it in Prefect too
+        for s in running.values():
+            s.task_run.end(None, e)
+        raise
     finally:
         training.close()
     out = []
@@ -80,7 +85,7 @@ def open_seed(judge, job: SeedJob) -> OpenSeed:
     view.stage_started("train")
     progress = TrialProgress(f"{job.number} (seed +{job.seed})", spec.optim.steps, metric="eval/reward")
     progress.tty = False  # several runs' lines at once: none redrawn over another's
-    return OpenSeed(job, spec, run, Watch(run, view), progress)
+    return OpenSeed(job, spec, run, Watch(run, view), progress, TrainTaskRun(f"trial-{job.number}-seed-{job.seed}"))
 
 
 def seed_callbacks(s: OpenSeed) -> list:

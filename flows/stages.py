@@ -15,7 +15,10 @@ from contextlib import contextmanager
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import get_client
+from prefect.context import FlowRunContext
 from prefect.exceptions import TerminationSignal
+from prefect.states import Cancelled, Completed, Failed, Running, State
 
 from flows.view import PipelineView
 from tasks.checkpoint import CheckpointUploader, reachable_store, sync_checkpoints
@@ -139,9 +142,11 @@ class Watch:
 
 def finish_training(o, outcome, error: BaseException | None):
     """The end of a run trained among others in one process (a sweep trial, a confirmation seed run; `o` has its
-    spec, run, watch, progress and start time): its train stage recorded, then checkpoint → artifact-probe → eval,
-    as its pipeline run's. Ctrl-C or SIGTERM: a KeyboardInterrupt naming the interrupted run."""
+    spec, run, watch, progress, train task run and start time): its train task run ended, its train stage recorded,
+    then checkpoint → artifact-probe → eval, as its pipeline run's. Ctrl-C or SIGTERM: a KeyboardInterrupt naming
+    the interrupted run."""
     o.progress.close()
+    o.task_run.end(outcome, error)
     try:
         with o.watch.stage("train", started=o.started):
             if error is not None:
@@ -151,3 +156,60 @@ def finish_training(o, outcome, error: BaseException | None):
         return after_training(o.spec, o.run, o.watch, outcome)
     except (RunInterrupted, KeyboardInterrupt, TerminationSignal) as e:
         raise KeyboardInterrupt(str(o.run.interrupted(e))) from e
+
+
+class TrainTaskRun:
+    """The train stage of a run trained among others in this process (a sweep's concurrent trial, a confirmation
+    seed run) as a Prefect task run of the flow run it trains in, named `train <run>` (`train trial-7`), so the
+    flow run shows each run's training where it would otherwise show an idle gap. No task engine runs it — the
+    runs' steps are interleaved in one engine call (tasks/train.py ConcurrentTraining) — so it is created Running
+    when the run starts training (the pipeline's `train` task, so the same task key) and set to its end state when
+    its training ends (`train_state`). Outside a flow run it is nothing; Prefect's API failing never fails the run
+    (a line says what was not recorded)."""
+
+    def __init__(self, name: str):
+        self.name, self.id = name, None
+        context = FlowRunContext.get()
+        if context is None or context.flow_run is None:
+            return
+        try:
+            with get_client(sync_client=True) as client:
+                run = client.create_task_run(
+                    train_task, context.flow_run.id, name, name=f"train {name}", state=Running()
+                )
+            self.id = run.id
+        except Exception as e:
+            print(f"{name}: its train stage is not a Prefect task run: {type(e).__name__}: {e}", flush=True)
+
+    def end(self, outcome, error: BaseException | None) -> None:
+        """Its end state (once; later calls do nothing)."""
+        if self.id is None:
+            return
+        task_run_id, self.id = self.id, None
+        try:
+            with get_client(sync_client=True) as client:
+                client.set_task_run_state(task_run_id, train_state(outcome, error), force=True)
+        except Exception as e:
+            print(f"{self.name}: its train task run's end was not recorded: {type(e).__name__}: {e}", flush=True)
+
+
+def train_state(outcome, error: BaseException | None) -> State:
+    """A concurrently trained run's train task run state, from how its training ended: an error → Failed; a signal
+    (SIGTERM, Ctrl-C) → Cancelled; trained to its last step → Completed; stopped early at a safe point by the
+    pruner or the health gate → Completed named "Pruned" or "Collapsed", the stop reason as its message — Completed,
+    because the stage did its job (its checkpoint is saved where it stopped, and checkpoint → artifact-probe → eval
+    read it, as a pruned sequential trial's pipeline run does); the name marks it in the flow run's graph."""
+    if error is not None:
+        signal = isinstance(error, (RunInterrupted, TerminationSignal)) or not isinstance(error, Exception)
+        if signal:
+            return Cancelled(message=f"interrupted: {type(error).__name__}: {error}")
+        return Failed(message=f"{type(error).__name__}: {error}")
+    if outcome is None:
+        return Failed(message="training ended with no outcome")
+    if outcome.interrupted:
+        return Cancelled(message=f"interrupted by {outcome.interrupted} after step {outcome.last_step}")
+    if outcome.stopped:
+        reason = str(outcome.stopped)
+        name = {"pruned": "Pruned", "collapsed": "Collapsed"}.get(reason.split(":")[0], "Stopped")
+        return Completed(name=name, message=f"stopped after step {outcome.last_step}: {reason}")
+    return Completed(message=f"trained {outcome.last_step} steps")

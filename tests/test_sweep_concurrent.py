@@ -7,6 +7,7 @@ one trial at a time and two at a time, with `ballast sweep` on the tiny model, r
 (its test harness) and real MLflow (SQLite): each trial ends in the same state with the same value, user attrs,
 eval scores and MLflow params, within trainer/multi.py's tolerance (tests/test_concurrent_trials.py); the
 collapsed trial is pruned by the health gate and its slot goes to the third trial while the first still trains.
+Each concurrent trial's training is one Prefect task run `train trial-N` of the worker's flow run, in its final state.
 A sweep that cannot run concurrently is refused in one line, exit 2, before any study or model exists.
 """
 
@@ -43,7 +44,18 @@ def sweeps(tiny_model, tmp_path_factory, prefect_api):
         runs = {int(r.data.tags["ballast.trial_number"]): r for r in runs_of(client, study.user_attrs[PARENT])}
         summary = json.loads((project / "sweeps" / "lr-sweep" / "summary.json").read_text())
         out[n] = dict(rc=rc, trials={t.number: t for t in study.trials}, runs=runs, summary=summary)
+    out["task_runs"] = prefect_task_runs({r.data.tags["prefect.flow_run_id"] for r in out[2]["runs"].values()})
     return out
+
+
+def prefect_task_runs(flow_run_ids: set[str]) -> list:
+    """The task runs of the one flow run the concurrent trials trained in, read back from Prefect's API."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    assert len(flow_run_ids) == 1, flow_run_ids  # the worker's flow run: every trial's MLflow run links to it
+    with get_client(sync_client=True) as client:
+        return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=list(flow_run_ids))))
 
 
 def test_a_concurrent_sweep_finishes_its_trials_and_exits_0(sweeps):
@@ -80,6 +92,26 @@ def test_each_concurrent_trials_mlflow_run_has_the_same_params_eval_scores_and_v
         for tag in ("ballast.status", "ballast.trial_state", "ballast.outcome", "ballast.swept", "ballast.study"):
             assert run.data.tags[tag] == a.data.tags[tag], (number, tag)
         assert run.info.status == a.info.status
+
+
+def test_each_concurrent_trials_training_is_one_prefect_task_run_named_after_it_in_its_final_state(sweeps):
+    trains = {r.name: r for r in sweeps["task_runs"] if r.name.startswith("train")}
+    assert sorted(trains) == ["train trial-0", "train trial-1", "train trial-2"]  # one each, none twice
+    assert len([r for r in sweeps["task_runs"] if r.name.startswith("train")]) == 3
+    done = {name: (r.state.type.value, r.state.name) for name, r in trains.items()}
+    assert done == {
+        "train trial-0": ("COMPLETED", "Completed"),
+        "train trial-1": ("COMPLETED", "Collapsed"),  # stopped by the health gate at a safe point: the trial pruned
+        "train trial-2": ("COMPLETED", "Completed"),
+    }
+    assert trains["train trial-1"].state.message.startswith("stopped after step ")
+    assert "collapsed: " in trains["train trial-1"].state.message
+    assert trains["train trial-0"].state.message == "trained 4 steps"
+    first, collapsed, third = (trains[f"train trial-{n}"] for n in range(3))
+    assert all(r.start_time < r.end_time and r.total_run_time.total_seconds() > 0 for r in trains.values())
+    assert first.start_time < collapsed.end_time and collapsed.start_time < first.end_time  # trained together
+    assert collapsed.end_time <= third.start_time < first.end_time  # the collapsed trial's slot, at once
+    assert all(r.state.is_final() for r in sweeps["task_runs"])  # no task run of the flow run left Running
 
 
 def test_a_collapsed_trial_is_pruned_and_its_slot_goes_to_the_next_trial(sweeps):

@@ -10,10 +10,11 @@ checkpoint, artifact-probe and eval stages are the pipeline's own, flows/stages.
 `after_training`: the final eval reloads the checkpoint from the store in a fresh model), the same lines on the
 terminal. What differs: no `ballast-pipeline` flow run per trial — the trials live in this worker's flow run,
 whose log carries their stage lines prefixed `trial N:`, their fork/checkpoint/probe/eval as task runs in it and
-their training as none (it runs interleaved, outside any task); the MLflow run's Prefect link is the worker's
-flow run; progress lines are printed every few steps, never redrawn in place; a trial's metrics equal a lone
-run's within trainer/multi.py's tolerance (bit-identical when its loss reads no engine logprobs). A trial whose
-base spec trains on a node of its own (infra.compute) is refused: run the workers on nodes instead.
+their training as a task run `train trial-N` spanning it (flows/stages.py TrainTaskRun: it runs interleaved in one
+engine call, on no task engine; a pruned trial's is Completed, named "Pruned"); the MLflow run's Prefect link is
+the worker's flow run; progress lines are printed every few steps, never redrawn in place; a trial's metrics equal
+a lone run's within trainer/multi.py's tolerance (bit-identical when its loss reads no engine logprobs). A trial
+whose base spec trains on a node of its own (infra.compute) is refused: run the workers on nodes instead.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 import optuna
 from prefect.logging import get_run_logger
 
-from flows.stages import Watch, finish_training, open_run
+from flows.stages import TrainTaskRun, Watch, finish_training, open_run
 from flows.trials.lines import TrialLines, TrialProgress, progress_metric
 from flows.view import PipelineView, flow_run_link
 from sweeps.pruning import TrialPruning
@@ -103,6 +104,7 @@ class OpenTrial:
     watch: Watch
     progress: TrialProgress
     job: TrainJob
+    task_run: TrainTaskRun
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -123,7 +125,7 @@ def open_trial(trial, sweep, recorder: SweepRecorder, label: str, node) -> OpenT
     uploader = CheckpointUploader(run.store, run.checkpoint_prefix)
     callbacks = [run.metrics, run.headline, uploader, view, TrialPruning(trial, sweep, spec), progress]
     job = TrainJob(f"trial-{trial.number}", spec, run.output_dir, callbacks, run.source)
-    return OpenTrial(trial, spec, run, Watch(run, view), progress, job)
+    return OpenTrial(trial, spec, run, Watch(run, view), progress, job, TrainTaskRun(job.name))
 
 
 def end_trial(t: OpenTrial, outcome: TrainOutcome | None, error: BaseException | None) -> PipelineResult:
@@ -143,6 +145,7 @@ def end_trial(t: OpenTrial, outcome: TrainOutcome | None, error: BaseException |
 def abandon_trial(t: OpenTrial, loop: AskTell, error: BaseException) -> None:
     """A trial still training when the worker stops: its run interrupted (a signal) or failed, the trial failed."""
     t.progress.close()
+    t.task_run.end(None, error)
     signal = not isinstance(error, Exception)
     try:
         t.run.interrupted(error) if signal else t.run.fail(error)
