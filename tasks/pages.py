@@ -53,6 +53,11 @@ def data_uri(path: str | Path) -> str:
     return "data:image/png;base64," + base64.b64encode(Path(path).read_bytes()).decode()
 
 
+def png_width(path: str | Path) -> int:
+    """A PNG's width in pixels (its IHDR chunk): a page lays a plot wider than its grid's cell across the row."""
+    return int.from_bytes(Path(path).read_bytes()[16:20], "big")
+
+
 def commit_link(commit: str, remote: str | None = None) -> str | None:
     """A web link to the commit when the checkout's origin (or `remote`) is on GitHub, GitLab or Bitbucket;
     else None."""
@@ -89,6 +94,7 @@ _ENV.filters.update(
     significant=significant,
     percent=percent,
     data_uri=data_uri,
+    png_width=png_width,
     commit_link=commit_link,
     episode_turns=episode_turns,
 )

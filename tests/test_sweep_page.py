@@ -58,3 +58,18 @@ def test_the_summary_lines_say_what_the_verdict_rests_on(confirmed_page):
     assert any(line.startswith("kept: ") and "survived confirmation and 3 seeds" in line for line in lines)
     assert any(line.startswith("± is a 95 % interval simultaneous over the 3 trials") for line in lines)
     assert s.best["number"] == 4
+
+
+def test_every_plot_is_shown_at_most_at_its_own_size_and_a_narrow_one_beside_another(confirmed_page):
+    """A plot is a raster image: stretched past its pixels it only grows blurred (the one-parameter slice plot was
+    laid across the whole page, about three times its own width and height). Each is shown at most at its own size,
+    and one narrower than a grid cell sits in a cell, not on a row of its own."""
+    _, _, page = confirmed_page
+    shown = page.page.eval_on_selector_all(
+        ".plots img", "els => els.map(e => [e.alt, e.width, e.height, e.naturalWidth, e.naturalHeight, e.className])"
+    )
+    assert {alt for alt, *_ in shown} >= {"slice", "optimization_history"}
+    for alt, width, height, natural_width, natural_height, _ in shown:
+        assert 0 < width <= natural_width and 0 < height <= natural_height, (alt, width, height)
+    slice_ = next(s for s in shown if s[0] == "slice")
+    assert slice_[3] < 700 and slice_[5] == ""  # one parameter: a cell's plot, not a row's
