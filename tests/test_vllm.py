@@ -519,6 +519,66 @@ def test_concurrent_trials_share_one_vllm_server_and_each_trains_as_it_would_alo
         assert_same_run(tmp_path / name, tmp_path / f"alone-{name}", steps, exact=False)
 
 
+def test_a_population_shares_one_vllm_server_and_a_copy_is_served_as_a_new_proved_adapter(
+    vllm_python, tiny_model, tmp_path
+):
+    """Population-based GRPO on the vLLM engine (trainer/population.py): 2 members of ranks 4 and 8 on ONE server the
+    population starts with --max-loras 2 and the larger rank; every step both members' adapters are pushed, proved
+    (the check that fails a stale adapter, tested above) and sampled in one batch. At step 2 the loser becomes a
+    verified copy of the winner: a new engine whose adapter versions have new names on the server, proved at steps 3
+    and 4; the step after the copy it samples its source's tokens (the same prompts, seeds and weights); the
+    retired member's adapter is gone from the server."""
+    from trainer.pbt import Knob, Policy
+    from trainer.population import Population, member_configs, member_name
+    from trainer.samples import read_rows
+
+    policy = Policy(
+        knobs=(Knob("grpo.beta", 1e-3, 0.2, log=True), Knob("optim.learning_rate", 3e-4, 1e-2, log=True)),
+        fixed={"lora.r": [4, 8]},
+        quantile=0.5,
+        seed=1,
+    )
+    base = TrainerConfig.model_validate(
+        tiny_spec(
+            tiny_model,
+            rollout={"engine": "vllm", "max_tokens": 24, "log_samples": 8, "vllm_extra_args": ["--block-size", "32"]},
+            optim={"steps": 4},
+        )
+    )
+    cfgs = member_configs(base, policy, 2, 2)
+    for cfg, rank in zip(cfgs, (4, 8)):  # members of two ranks: the server must serve the larger
+        cfg.lora.r, cfg.lora.alpha = rank, 2 * rank
+    population = Population(tmp_path, policy, ready=2, objective="eval/reward", total=4)
+    population.start(cfgs)
+    first_engines = [m.trial.trainer.engine.engine_id for m in population.members]
+    result = population.run()
+    server = population.shared.vllm_server
+    engines = [m.trial.trainer.engine for m in population.members]
+    loaded = engines[0].loaded_adapters()
+    population.close()
+    assert server is not None and server.process.poll() is not None  # one server, started and stopped with it
+    log = next(tmp_path.glob("member-*/vllm-server.log")).read_text()
+    assert "--max-loras 2 " in log and "--max-lora-rank 8 " in log
+
+    assert [(e["step"], e["reason"]) for e in result.events] == [(2, "exploit")]
+    event = result.events[0]
+    assert event["fingerprint_diff"] <= 1e-5
+    copy, source = engines[event["member"]], engines[event["source"]]
+    assert copy.engine_id != first_engines[event["member"]] and source.engine_id == first_engines[event["source"]]
+    assert copy.last_sync.version == f"ballast-{copy.engine_id}-v000004"  # the copy's own versions, proved
+    assert sorted(n for n in loaded if n.startswith("ballast-")) == sorted(
+        e.last_sync.version for e in engines
+    )  # the two members' last versions only: the retired member's adapter was unloaded
+    for m in range(2):
+        rows = read_rows(tmp_path / member_name(m) / "metrics.jsonl")
+        assert [r["step"] for r in rows] == [1, 2, 3, 4]
+        assert all(r["sampling/sampling_logp_difference/max"] < FP32_TOLERANCE for r in rows)
+    step3 = lambda name: [  # noqa: E731
+        (r["prompt"], r["completion"]) for r in read_rows(tmp_path / name / "samples.jsonl") if r["step"] == 3
+    ]
+    assert step3(member_name(event["member"])) == step3(member_name(event["source"])) != []
+
+
 def test_multi_turn_episodes_train_through_vllm_with_only_sampled_tokens_carrying_logprobs(
     served, tool_model, tmp_path
 ):

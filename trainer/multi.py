@@ -333,12 +333,17 @@ class ConcurrentTrials:
                 with self._active(trial):
                     on_end(outcome, t)
         finally:
-            t.rollouts.close()
-            if t.engine is not self.shared.engine:
-                t.engine.close()  # its adapter leaves the shared vLLM server
-            self.shared.remove(trial.adapter)
+            self._release(trial)
             running.remove(trial)
             outcomes.append(outcome)
+
+    def _release(self, trial: _Trial) -> None:
+        """A trial's rollouts stopped, its engine closed (its adapter leaves the shared vLLM server) and its adapter
+        removed from the base model; the other trials' stay."""
+        trial.trainer.rollouts.close()
+        if trial.trainer.engine is not self.shared.engine:
+            trial.trainer.engine.close()
+        self.shared.remove(trial.adapter)
 
     # ------------------------------------------------------------------ pieces
 

@@ -132,6 +132,7 @@ class Population(ConcurrentTrials):
 
     def start(self, cfgs: list[TrainerConfig]) -> None:
         """A fresh population, one member per config (member_configs)."""
+        self._serve(cfgs)
         for index, cfg in enumerate(cfgs):
             trial = self._start(self._job(index, cfg))
             hparams = {**fixed_of(cfg, self.policy), **_knobs(trial.trainer.hyperparameters_at(1))}
@@ -145,6 +146,7 @@ class Population(ConcurrentTrials):
             raise InputError(f"{self.root}: no {POPULATION_FILE} to resume; start the population without --resume")
         self.step, self.events = state["step"], state["events"]
         self.scores = {int(k): v for k, v in state["scores"].items()}
+        self._serve([TrainerConfig.model_validate(record["cfg"]) for record in state["members"]])
         for record in state["members"]:
             cfg = TrainerConfig.model_validate(record["cfg"])
             _drop_checkpoints_after(self.root / member_name(record["index"]) / "checkpoints", self.step)
@@ -153,6 +155,11 @@ class Population(ConcurrentTrials):
                 trial.trainer.resume()
             self.members.append(Member(record["index"], trial, cfg, record["hparams"], record["score"]))
         return self.step
+
+    def _serve(self, cfgs: list[TrainerConfig]) -> None:
+        """With rollout.engine: vllm, the one server the members share serves all P adapters in a batch, up to the
+        largest rank any member has (a copy takes its source's rank, so no later member has a larger one)."""
+        self.slots, self.max_lora_rank = len(cfgs), max(cfg.lora.r for cfg in cfgs)
 
     def _job(self, index: int, cfg: TrainerConfig) -> TrialJob:
         name = member_name(index)
@@ -209,7 +216,7 @@ class Population(ConcurrentTrials):
         state = self._state_of(src.trial)
         with self._active(src.trial):
             fingerprint = logprob_fingerprint(src.trial.trainer.model, src.trial.trainer.tokenizer, self.shared.device)
-        self._retire(dst.trial)
+        self._release(dst.trial)  # on vLLM, its adapter leaves the server
         dst.trial, dst.cfg = self._start(self._job(dst.index, src.cfg)), src.cfg
         state["schedule"].append({"step": r.step + 1, **schedule_values(r.hparams)})
         _load_state(dst.trial, state)
@@ -242,10 +249,6 @@ class Population(ConcurrentTrials):
             "schedule": copy.deepcopy(t.schedule),
             "rng": copy.deepcopy(trial.rng),
         }
-
-    def _retire(self, trial: _Trial) -> None:
-        trial.trainer.rollouts.close()
-        self.shared.remove(trial.adapter)
 
     # ------------------------------------------------------------------ save, result
 
