@@ -28,9 +28,9 @@ def load_warning(spec, concurrent: int = 1, load: float | None = None, cpus: int
     if load < 0.5 or free >= min(threads, cpus) - 0.5:
         return None
     room = max(1, int(free))
+    fewer = f", or set model.torch_threads: {room} (--set model.torch_threads={room})" if room < threads else ""
     return (
         f"warning: this machine is busy (load {load:.1f} on {cpus} cores) and each trial uses {threads} torch "
         f"thread{'s' * (threads != 1)}{' (x' + str(concurrent) + ' trials at once)' if concurrent > 1 else ''}: "
-        f"sampling may run several times slower than on an idle machine; stop the other work, or set "
-        f"model.torch_threads: {room} (--set model.torch_threads={room})"
+        f"sampling may run several times slower than on an idle machine; stop the other work{fewer}"
     )

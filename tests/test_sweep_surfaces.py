@@ -52,6 +52,9 @@ def test_a_busy_machine_is_said_with_the_fix():
     assert line.startswith("warning: this machine is busy (load 2.6 on 2 cores) and each trial uses 2 torch threads")
     assert "--set model.torch_threads=1" in line
     assert load_warning(spec, load=0.2, cpus=2) is None
+    one = validate_spec(tiny_spec("/models/not-loaded-here", model={"torch_threads": 1}), "x")
+    line = load_warning(one, load=6.7, cpus=2)  # one thread already: fewer is no advice, only the other work is
+    assert line.endswith("stop the other work") and "torch_threads" not in line, line
     assert load_warning(spec, load=1.0, cpus=8) is None
 
 
