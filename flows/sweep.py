@@ -148,6 +148,7 @@ def write_summary(study, sweep, recorder: SweepRecorder, storage_url: str, timed
     summary.timed_out = timed_out
     summary.dashboard = f"optuna-dashboard {redact_url(storage_url)}   (pip install optuna-dashboard)"
     summary.run_url_template = recorder.tracking.run_url("{run_id}")  # each trial's MLflow run, linked on the page
+    summary.mlflow_url, summary.compare_url = recorder.tracking.experiment_url(), recorder.compare_url()
     summary.write(out_dir)
     record_compute(recorder, summary)
     recorder.record_summary(summary, out_dir)

@@ -155,6 +155,8 @@ class SweepSummary:
     plots_skipped: dict[str, str] = field(default_factory=dict)
     html: str = ""
     run_url_template: str = ""  # a trial's MLflow run page, with '{run_id}' to fill in
+    mlflow_url: str = ""  # the sweep's experiment in the MLflow UI, opened on its training runs
+    compare_url: str = ""  # MLflow's Compare page of every trial run
     baseline: dict | None = None  # {source, metrics}: what the trials are read against (sweeps/baseline.py)
     closest: dict | None = None  # no trial beat the baseline beyond noise: the best-scoring COMPLETE trial
     planned_steps: int = 0  # trial-steps had every trial run to its end
@@ -287,6 +289,8 @@ class SweepSummary:
         if line := self.cost_line():
             out.append(line)
         out += [f"summary:     {self.html}", f"dashboard:   {self.dashboard}"]
+        out += [f"mlflow:      {self.mlflow_url}"] if self.mlflow_url else []
+        out += [f"compare:     {self.compare_url}"] if self.compare_url else []
         return out
 
 

@@ -156,6 +156,18 @@ class SweepRecorder:
             f"'{self.study_name}' and tags.`ballast.trial_number` = '{number}'",
         )
 
+    def compare_url(self) -> str:
+        """MLflow's Compare page of every trial run of the study (trial order): one click from the terminal, the page
+        and the parent run's note, where the runs table takes six."""
+        runs = self.client.search_runs(
+            [self.tracking.experiment_id],
+            filter_string=f"tags.mlflow.parentRunId = '{self.parent_run_id}' and tags.`ballast.study` = "
+            f"'{self.study_name}' and tags.`ballast.trial_number` != ''",
+            max_results=1000,
+        )
+        runs.sort(key=lambda r: int(r.data.tags.get("ballast.trial_number", 0)))
+        return self.tracking.compare_url([r.info.run_id for r in runs]) if runs else ""
+
     def discard_trial_runs(self, numbers) -> None:
         """The MLflow runs of interrupted attempts at a configuration that now runs again (sweeps/study.py
         `requeue`), deleted with their stage runs: the study keeps one run per trial."""
@@ -217,7 +229,12 @@ def trial_outcome(frozen) -> str:
 
 def _sweep_note(summary, status: str) -> str:
     """The sweep parent run's MLflow description at the end: how the sweep went, in the summary's own lines."""
-    lines = [line for line in summary.lines() if not line.startswith(("summary:", "dashboard:"))]
+    lines = [line for line in summary.lines() if not line.startswith(("summary:", "dashboard:", "mlflow:", "compare:"))]
+    compare = [  # Compare draws linear axes: a log-scaled parameter's log10 is a metric to pick instead
+        f"[Compare the trials]({summary.compare_url}) — in its parallel coordinates, a log-scaled parameter's "
+        "`log10/<name>` metric gives it a log axis.",
+        "",
+    ]
     return "\n".join(
         [
             f"**Optuna sweep `{summary.study}`**: each child run is one trial (a seed run: `ballast.seed_of_trial`).",
@@ -230,6 +247,7 @@ def _sweep_note(summary, status: str) -> str:
             "",
             *[f"- {line}" for line in lines],
             "",
+            *(compare if summary.compare_url else []),
             "Page: artifact `summary/summary.html`.",
         ]
     )

@@ -21,6 +21,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import mlflow
 from mlflow.entities import Param
@@ -93,6 +94,11 @@ class Tracking:
 
     def experiment_url(self) -> str:
         return f"{self.ui_url()}/#/experiments/{self.experiment_id}/runs?{UI_MODE}"
+
+    def compare_url(self, run_ids: list[str]) -> str:
+        """MLflow's Compare page of these runs (its parallel coordinates, scatter and contour plots), in one click."""
+        runs, experiments = json.dumps(list(run_ids)), json.dumps([self.experiment_id])
+        return f"{self.ui_url()}/#/compare-runs?runs={quote(runs)}&experiments={quote(experiments)}&{UI_MODE}"
 
     def find_run(self, run_id: str):
         try:

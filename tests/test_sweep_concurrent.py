@@ -43,7 +43,7 @@ def sweeps(tiny_model, tmp_path_factory, prefect_api):
         client = mlflow_client(project)
         runs = {int(r.data.tags["ballast.trial_number"]): r for r in runs_of(client, study.user_attrs[PARENT])}
         summary = json.loads((project / "sweeps" / "lr-sweep" / "summary.json").read_text())
-        out[n] = dict(rc=rc, trials={t.number: t for t in study.trials}, runs=runs, summary=summary)
+        out[n] = dict(rc=rc, trials={t.number: t for t in study.trials}, runs=runs, summary=summary, client=client)
     out["task_runs"] = prefect_task_runs({r.data.tags["prefect.flow_run_id"] for r in out[2]["runs"].values()})
     return out
 
@@ -112,6 +112,25 @@ def test_each_concurrent_trials_training_is_one_prefect_task_run_named_after_it_
     assert first.start_time < collapsed.end_time and collapsed.start_time < first.end_time  # trained together
     assert collapsed.end_time <= third.start_time < first.end_time  # the collapsed trial's slot, at once
     assert all(r.state.is_final() for r in sweeps["task_runs"])  # no task run of the flow run left Running
+
+
+def test_the_sweeps_mlflow_experiment_is_its_studys_opens_on_training_runs_and_compare_is_one_link(sweeps):
+    """The experiment is named after the study and marked a model-training one; the summary (terminal, page, parent
+    run's note) links MLflow's Compare of every trial run, in the UI's model-training mode."""
+    from urllib.parse import unquote
+
+    runs, client = sweeps[2]["runs"], sweeps[2]["client"]
+    (experiment_id,) = {r.info.experiment_id for r in runs.values()}
+    experiment = client.get_experiment(experiment_id)
+    assert experiment.name == "lr-sweep" and experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    summary = sweeps[2]["summary"]
+    assert summary["mlflow_url"].endswith(f"/#/experiments/{experiment_id}/runs?workflowType=machine_learning")
+    compare = unquote(summary["compare_url"])
+    ids = [runs[n].info.run_id for n in sorted(runs)]
+    assert f'/#/compare-runs?runs={json.dumps(ids)}&experiments=["{experiment_id}"]' in compare
+    assert compare.endswith("&workflowType=machine_learning")
+    parent = client.get_run(runs[0].data.tags["mlflow.parentRunId"])
+    assert f"[Compare the trials]({summary['compare_url']})" in parent.data.tags["mlflow.note.content"]
 
 
 def test_a_collapsed_trial_is_pruned_and_its_slot_goes_to_the_next_trial(sweeps):
