@@ -199,3 +199,17 @@ def test_one_engine_call_samples_each_trials_rows_as_its_adapter_alone_would(tin
 
 def flat(requests):
     return [c for request in requests for group in request for c in group]
+
+
+def test_trials_decoded_with_stacked_adapters_equal_the_same_trials_alone(tiny_model, tmp_path, alone):
+    """ConcurrentTrials(stacked_lora=True): every trial's rows in one forward, the adapters stacked with a per-row slot
+    (trainer/engines/stacked.py) and refreshed from the trials' weights after each of their optimizer steps. A row's
+    LoRA sum runs over every slot (zeros but its own), so the engine's logprobs may move in the last bits: the tokens,
+    samples and rewards are bit-identical, the rest within TOLERANCE."""
+    jobs = (TrialJob(name, trial_cfg(tiny_model, name), tmp_path / name) for name in TRIALS)
+    with ConcurrentTrials(slots=2, stacked_lora=True) as runner:
+        outcomes = {o.job.name: o for o in runner.run(jobs)}
+        assert runner.shared.engine.stacked is not None and runner.shared.engine.stacked.slots == 2
+    for name, sections in TRIALS.items():
+        assert outcomes[name].error is None
+        assert_same_run(tmp_path / name, alone[name], sections["optim"]["steps"], exact=name == "a")

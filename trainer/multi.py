@@ -17,7 +17,9 @@ choices, on purpose:
   its trial's adapter (peft's per-row `adapter_names`) and drawn with its trial's settings (temperature,
   repetition penalty, top-p …) from its prompt's own seeded generator, so it does not depend on the other rows.
   Trials with different rollout.max_tokens are sampled in one call per value (the KV cache is as long as a lone
-  run's).
+  run's). With `stacked_lora` the adapters are stacked with a per-row slot (engines/stacked.py: two dense matmuls a
+  layer, no Python per row), so the rows decode inside the compiled step, refreshed from the trials' weights before
+  each call; else each trial's LoRA matmul runs on its own rows, outside it.
 - **Or one vLLM server.** With rollout.engine: vllm the trials share one server (started with the first such trial,
   `--max-loras` = slots, `--max-lora-rank` the largest rank a trial may take; or the user's, rollout.vllm_url), each
   trial a VLLMEngine of its own on it: its adapter versions under its own names, its served-policy check. Each
@@ -74,13 +76,32 @@ ADAPTER_NAME = re.compile(r"[A-Za-z0-9_-]+")
 class SharedPolicy:
     """One frozen base model, its tokenizer, the HF engine that samples it, and one named LoRA adapter per trial."""
 
-    def __init__(self, model_cfg: ModelConfig, compile_decode: str = "never"):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        compile_decode: str = "never",
+        stacked_lora: bool = False,
+        fused_sampling: bool = False,
+        slots: int = 1,
+        max_lora_rank: int | None = None,
+    ):
+        """stacked_lora, fused_sampling: the HF engine's (engines/hf.py), its stacked adapters sized for `slots`
+        trials of rank up to `max_lora_rank` (more are made room for, at the cost of a new compile)."""
         self.model_cfg = model_cfg
         self.device = resolve_device(model_cfg.device)
         self.base, self.tokenizer = load_policy(model_cfg, LoraConfig(enabled=False))
         self.all_linear = lora_target_modules(self.base, "all-linear")  # resolved before any adapter wraps a layer
         self.model = None  # the PeftModel, once the first adapter is added
-        self.engine = HFEngine(self.base, self.tokenizer, self.device, compile_decode=compile_decode)
+        self.engine = HFEngine(
+            self.base,
+            self.tokenizer,
+            self.device,
+            compile_decode=compile_decode,
+            fused_sampling=fused_sampling,
+            stacked_lora=stacked_lora,
+            lora_slots=slots,
+            lora_rank=max_lora_rank or 0,
+        )
         self.vllm_server = None  # the vLLM server this process started for the trials (rollout.engine: vllm)
         self.vllm_rank = 0  # the largest LoRA rank it serves
 
@@ -241,12 +262,18 @@ def _set_rng_state(state: tuple) -> None:
 class ConcurrentTrials:
     """Runs jobs `slots` at a time over one shared base model; a job is pulled from `jobs` when a slot is free.
     max_lora_rank: the largest lora.r a trial may ask for (a vLLM server is started for it; default: the first
-    vllm trial's). `close()` stops the vLLM server it started, if any."""
+    vllm trial's). stacked_lora: the HF engine decodes the trials' rows with their adapters stacked and a per-row slot
+    (engines/stacked.py), so they run inside the compiled decode step (rollout.compile_decode), with fused_sampling
+    the draw too (engines/fused.py); default: row slices per trial, outside it. `close()` stops the vLLM server it
+    started, if any."""
 
-    def __init__(self, slots: int, max_lora_rank: int | None = None):
+    def __init__(
+        self, slots: int, max_lora_rank: int | None = None, stacked_lora: bool = False, fused_sampling: bool = False
+    ):
         if slots < 1:
             raise InputError(f"sweep.concurrent_trials is {slots}; set it to 1 or more")
         self.slots, self.max_lora_rank = slots, max_lora_rank
+        self.stacked_lora, self.fused_sampling = stacked_lora, fused_sampling
         self.shared: SharedPolicy | None = None
         self.first: TrainerConfig | None = None  # the first trial's settings: what the others must share
         self.started = 0
@@ -351,7 +378,14 @@ class ConcurrentTrials:
         check_concurrent(job.cfg, self.first, job.name)
         self.first = self.first or job.cfg
         if self.shared is None:
-            self.shared = SharedPolicy(job.cfg.model, compile_decode=job.cfg.rollout.compile_decode)
+            self.shared = SharedPolicy(
+                job.cfg.model,
+                compile_decode=job.cfg.rollout.compile_decode,
+                stacked_lora=self.stacked_lora,
+                fused_sampling=self.fused_sampling,
+                slots=self.slots,
+                max_lora_rank=self.max_lora_rank,
+            )
         adapter, self.started = f"trial_{self.started}", self.started + 1
         engine = self.shared.engine
         try:

@@ -17,7 +17,8 @@ generator of their own, so a prompt samples the same tokens whichever prompts sh
 the global batch, or another trial's rows. Stop strings need the text decoded as it grows: a request with `stop`
 goes through `generate` (one prompt at a time when seeded per prompt). `generate_many` samples several requests in
 one batch, each with its own settings and seeds and, for trials sharing one base model (trainer/multi.py), its own
-LoRA adapter (peft's per-row `adapter_names`).
+LoRA adapter: row slices per adapter or peft's per-row `adapter_names` (eager), or with `stacked_lora` every adapter
+stacked with a per-row slot (engines/stacked.py), which runs inside the compiled step, the fused draw included.
 
 Logprobs are the policy's at the sampling temperature, log_softmax(logits / T), from the raw logits before
 penalties and truncation (engines/base.py says why). Completions keep their end-of-sequence token (the
@@ -29,12 +30,14 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
 
 from .base import Completion, SamplingParams
 from .fused import decode_and_sample, sample_fused
+from .stacked import plain_lora_linears, stacked_for
 
 CACHE_LEN_BUCKET = 64  # compiled decode: cache lengths are rounded up to this, so runs reuse one graph
 STOP_CHECK_EVERY = 8  # compiled decode: tokens between checks that every row ended (each check syncs the GPU)
@@ -44,16 +47,29 @@ class HFEngine:
     name = "hf"
 
     def __init__(
-        self, model, tokenizer, device: torch.device | str, compile_decode: str = "never", fused_sampling: bool = False
+        self,
+        model,
+        tokenizer,
+        device: torch.device | str,
+        compile_decode: str = "never",
+        fused_sampling: bool = False,
+        stacked_lora: bool = False,
+        lora_slots: int = 1,
+        lora_rank: int = 0,
     ):
         """compile_decode: 'auto' (on CUDA), 'always' or 'never' — rollout.compile_decode. fused_sampling: with a
         compiled decode, draw each token inside the compiled step (engines/fused.py: the same distribution as the
-        eager loop, another random stream); requests with per-row adapters keep the eager draw."""
+        eager loop, another random stream); requests with per-row adapters keep the eager draw unless stacked_lora.
+        stacked_lora: requests that name their adapters decode with every adapter stacked and a per-row slot
+        (engines/stacked.py: one forward for all rows, inside the compiled step), room made for `lora_slots`
+        adapters of rank `lora_rank` at first; else with row slices or peft's per-row `adapter_names`."""
         self.model, self.tokenizer, self.device = model, tokenizer, torch.device(device)
         self.static_cache = True  # False once a model turned out not to support it
         compiled = compile_decode == "always" or (compile_decode == "auto" and self.device.type == "cuda")
         self.decoder = CompiledDecoder() if compiled else None
         self.fused_sampling = fused_sampling and compiled
+        self.stacked_lora, self.lora_slots, self.lora_rank = stacked_lora, lora_slots, lora_rank
+        self.stacked = None  # the StackedLora of the last call that used one (kept: its tensors' addresses stay)
 
     def sync_weights(self, model, step: int) -> None:
         self.model = model
@@ -82,13 +98,10 @@ class HFEngine:
         for prompts, params, _ in requests:
             segments.append(Segment(slice(start, start + len(prompts) * params.n), params))
             start += len(prompts) * params.n
-        per_row, by_request = self._adapter_rows(requests)
         input_ids, attention_mask = _left_padded(rows, self.tokenizer.pad_token_id, self.device)
+        per_row, by_request, adapters = self._adapter_rows(requests, segments)
         was_training = self.model.training
         self.model.eval()
-        adapters = contextlib.nullcontext()
-        if by_request is not None:
-            adapters = _adapters_by_rows(self.model, [(s.rows, a) for s, a in zip(segments, by_request)])
         try:
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), adapters:
                 new_tokens, logprobs = self._sample(input_ids, attention_mask, segments, per_row, by_request)
@@ -99,18 +112,24 @@ class HFEngine:
     def _eos_ids(self) -> list[int]:
         return _eos_ids(self.model, self.tokenizer)
 
-    def _adapter_rows(self, requests) -> tuple[dict | None, list[str] | None]:
-        """How the rows take their adapters: (peft's per-row `adapter_names`, None), (None, one adapter per request
-        over its contiguous rows) when every request has one and every LoRA layer is plain, or (None, None)."""
+    def _adapter_rows(self, requests, segments) -> tuple[dict | None, list[str] | None, AbstractContextManager]:
+        """How the rows take their adapters: (peft's per-row `adapter_names`, None, -), (None, one adapter per request
+        over its contiguous rows, their row slices) when every request has one and every LoRA layer is plain, (None,
+        None, the stacked forward) with stacked_lora and plain layers, or (None, None, -): the active adapter."""
         named = [adapters is not None for _, _, adapters in requests]
         if any(named) and not all(named):
             raise ValueError("name the adapters of every request, or of none")
-        uniform = all(named) and all(len(set(adapters)) == 1 for _, _, adapters in requests)
-        if uniform and _plain_lora_linears(self.model) is not None:
-            return None, [adapters[0] for _, _, adapters in requests]
-        if all(named):
-            return {"adapter_names": [a for _, p, adapters in requests for a in adapters for _ in range(p.n)]}, None
-        return None, None
+        if not all(named):
+            return None, None, contextlib.nullcontext()
+        names = [a for _, p, adapters in requests for a in adapters for _ in range(p.n)]
+        plain = plain_lora_linears(self.model) is not None
+        if self.stacked_lora and plain and self.static_cache and not any(p.stop for _, p, _ in requests):
+            self.stacked = stacked_for(self.stacked, self.model, names, self.lora_slots, self.lora_rank)
+            return None, None, self.stacked.use(self.stacked.row_slots(names, self.device))
+        if plain and all(len(set(adapters)) == 1 for _, _, adapters in requests):
+            by_request = [adapters[0] for _, _, adapters in requests]
+            return None, by_request, _adapters_by_rows(self.model, [(s.rows, a) for s, a in zip(segments, by_request)])
+        return {"adapter_names": names}, None, contextlib.nullcontext()
 
     def _sample(self, input_ids, attention_mask, segments, per_row, by_request) -> tuple[torch.Tensor, torch.Tensor]:
         """(new tokens, logprobs) by the fastest path these requests allow: the draw inside the compiled step
@@ -210,24 +229,13 @@ def _completions(rows, segments, new_tokens, logprobs, tok, eos_ids) -> list[lis
     return out
 
 
-def _plain_lora_linears(model) -> list | None:
-    """The model's LoRA layers when every one is a plain LoRA Linear (no DoRA or other variant, no embedding or
-    convolution adapter): those `_adapters_by_rows` can take over. None otherwise (peft's per-row path then)."""
-    from peft.tuners.lora import Linear, LoraLayer
-
-    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
-    if any(type(m) is not Linear or getattr(m, "lora_variant", None) for m in layers):
-        return None
-    return layers
-
-
 @contextlib.contextmanager
 def _adapters_by_rows(model, rows: list[tuple[slice, str]]):
     """Every LoRA layer of `model` adds adapter `name`'s update to the rows `rows` of the batch only, for the block:
     peft's per-row `adapter_names` does the same with a gather and a scatter per layer and adapter, indexed by Python
     lists; contiguous rows are views (4 quickstart trials, 2 steps: 64 -> 58 CPU seconds). A row's LoRA matmul runs
     over its adapter's rows alone, as in a lone run, and is added as peft adds it."""
-    layers = _plain_lora_linears(model)
+    layers = plain_lora_linears(model)
 
     def forward_of(layer):
         def forward(x, *args, **kwargs):
