@@ -898,6 +898,10 @@ UI_ENV = {  # MLflow's job runner serves GenAI evaluation jobs (3 more processes
     "prefect": {"DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"},
 }
 UI_READY_TIMEOUT_S = 300
+MLFLOW_MODE_HINT = (  # MLflow 3.17's UI ignores mlflow.experimentKind: one mode for every experiment, per browser
+    "         MLflow opens every experiment in its GenAI mode (an Overview of traces) unless told: click "
+    "'Model training' at its top left once (this browser keeps it), or open the MLflow links Ballast prints"
+)
 
 
 def ui_commands(project: Path, host: str, mlflow_port: int, prefect_port: int) -> dict[str, tuple[dict, list[str]]]:
@@ -995,6 +999,8 @@ def _serve(procs: dict, health: dict[str, str], urls: dict[str, str]) -> int:
         seconds = _wait_ready(health[name], proc)
         if seconds is not None:
             print(f"{name:<8} ready in {seconds:.0f} s: {urls[name]}")
+            if name == "mlflow":
+                print(MLFLOW_MODE_HINT)
         elif proc.poll() is None:
             print(f"{name:<8} not answering {health[name]} after {UI_READY_TIMEOUT_S} s; still waiting")
         else:

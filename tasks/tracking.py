@@ -34,7 +34,9 @@ from tasks.spec import TrackingConfig
 
 TAG = "ballast."
 EXPERIMENT_KIND = "custom_model_development"  # mlflow.experimentKind: a model-training experiment, not GenAI
-UI_MODE = "workflowType=machine_learning"  # MLflow 3's UI opens in its GenAI mode unless a link asks for this
+# MLflow 3's UI opens in its GenAI mode unless a link asks for this: 3.17's UI reads the mode from the link or the
+# browser's last choice (its GenAI / Model training switch), never from the experiment's kind
+UI_MODE = "workflowType=machine_learning"
 DEFAULT_UI_URL = "http://127.0.0.1:5000"  # where `ballast ui` serves the embedded store
 SWEPT_TAG = "swept"  # a sweep trial's run: the comma-joined swept spec fields, its only params
 GAIN_TAG = "gain_metric"  # a sweep trial's run: its gain over the baseline, Gain/<objective> (NaN until it ends)

@@ -167,6 +167,7 @@ def test_ctrl_c_in_a_terminal_stops_both_uis_with_no_traceback(tmp_path):
     ports = [str(free_port()), str(free_port())]
     term = Terminal("ui", "--project-dir", str(project), "--mlflow-port", ports[0], "--prefect-port", ports[1])
     term.read_until(lambda t: "Ctrl-C stops both." in t.text, timeout=400)
+    assert "click 'Model training' at its top left once" in term.text  # MLflow would open on GenAI's Overview
     term.ctrl_c()
     code = term.wait(timeout=60)
     assert code == 0, term.text[-3000:]
