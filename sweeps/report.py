@@ -641,6 +641,8 @@ def _slice(rows: list[dict], sweep: SweepSpec, key: str, base) -> plt.Figure:
                 lo, hi = float(spec.low), float(spec.high)
                 ticks = [lo, math.sqrt(lo * hi), hi]
                 ax.set_xscale("log")
+                pad = (hi / lo) ** 0.05  # the whole range shown, so its labelled ends are on the axis, not off it
+                ax.set_xlim(lo / pad, hi * pad)
                 ax.xaxis.set_major_locator(FixedLocator(ticks))
                 ax.xaxis.set_major_formatter(FixedFormatter([format_value(t) for t in ticks]))
                 ax.xaxis.set_minor_formatter(NullFormatter())

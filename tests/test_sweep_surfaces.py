@@ -33,6 +33,9 @@ def test_a_log_scaled_parameter_axis_has_labelled_ticks_and_each_trial_its_paire
     labels = [t.get_text() for t in lr_axis.get_xticklabels()]
     assert labels == ["1.00e-04", "7.07e-03", "0.5"]  # the range's ends and its geometric middle
     assert [t for t in lr_axis.get_xticks()] == pytest.approx([1e-4, math.sqrt(1e-4 * 0.5), 0.5])
+    middle = [dict(r, params={**r["params"], "optim.learning_rate": 3e-3}) for r in rows]  # none near the ends
+    low, high = _slice(middle, sweep, "eval/reward", (0.3, 0.0)).axes[0].get_xlim()
+    assert low < 1e-4 and high > 0.5  # the range's ends on the axis whatever the trials sampled: their labels drawn
     legend = [t.get_text() for t in lr_axis.get_legend().get_texts()] if lr_axis.get_legend() else []
     legend += [t.get_text() for t in fig.axes[-1].get_legend().get_texts()]
     assert "base model ± 95 %" not in legend and "bars: each trial's paired 95 % interval" in legend
