@@ -72,17 +72,18 @@ def test_a_refresh_after_an_optimizer_step_brings_the_stack_up_to_date_in_place(
     model.train()
     params = [p for n, p in model.named_parameters() if ".y." in n or n.endswith(".y.weight")]
     assert params and all(p.requires_grad for p in params)
-    optimizer = torch.optim.SGD(params, lr=0.5)
+    optimizer = torch.optim.SGD(params, lr=0.05)
     model(input_ids=ids, attention_mask=mask).logits.pow(2).mean().backward()
     optimizer.step()
     model.eval()
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=mask, adapter_names=names).logits
     stale = stacked_logits(model, stack, names, ids, mask)
-    assert (stale - want).abs().max() > 1e-3  # the step moved y; the stack still holds the old weights
+    assert (stale - want).abs().max() > 1e-4  # the step moved y; the stack still holds the old weights
     assert stacked_for(stack, model, ["x", "y"]) is stack  # the same stack, refreshed
     assert [(s.a.data_ptr(), s.b.data_ptr(), s.scale.data_ptr()) for s in stack.stacks] == addresses
-    assert (stacked_logits(model, stack, names, ids, mask) - want).abs().max() <= 1e-5
+    fresh = (stacked_logits(model, stack, names, ids, mask) - want).abs().max()
+    assert fresh <= 1e-5
 
 
 def test_a_new_adapter_takes_a_free_slot_and_the_others_keep_theirs(shared):
