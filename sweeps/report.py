@@ -635,6 +635,7 @@ def _slice(rows: list[dict], sweep: SweepSpec, key: str, base) -> plt.Figure:
             choices = [str(c) for c in spec.choices]
             _scatter_by_kind(ax, with_p, lambda r, c=spec.choices, n=name: _choice_index(c, r["params"][n]))
             ax.set_xticks(range(len(choices)), choices)
+            ax.set_xlim(-0.5, len(choices) - 0.5)  # every choice on the axis, those no trial sampled too
         else:
             _scatter_by_kind(ax, with_p, lambda r, n=name: r["params"][n])
             if spec.log:  # labelled ticks at the range's ends and its geometric middle (a decade may not fit in)

@@ -36,6 +36,10 @@ def test_a_log_scaled_parameter_axis_has_labelled_ticks_and_each_trial_its_paire
     middle = [dict(r, params={**r["params"], "optim.learning_rate": 3e-3}) for r in rows]  # none near the ends
     low, high = _slice(middle, sweep, "eval/reward", (0.3, 0.0)).axes[0].get_xlim()
     assert low < 1e-4 and high > 0.5  # the range's ends on the axis whatever the trials sampled: their labels drawn
+    fours = [dict(r, params={**r["params"], "lora.r": 4}) for r in rows]  # one of three choices sampled
+    rank_axis = _slice(fours, sweep, "eval/reward", (0.3, 0.0)).axes[1]
+    assert [t.get_text() for t in rank_axis.get_xticklabels()] == ["4", "8", "16"]
+    assert rank_axis.get_xlim()[0] < 0 and rank_axis.get_xlim()[1] > 2  # every choice on the axis
     legend = [t.get_text() for t in lr_axis.get_legend().get_texts()] if lr_axis.get_legend() else []
     legend += [t.get_text() for t in fig.axes[-1].get_legend().get_texts()]
     assert "base model ± 95 %" not in legend and "bars: each trial's paired 95 % interval" in legend
