@@ -21,8 +21,8 @@ from trainer.metrics import (
     update_metrics,
 )
 
-# names a step reports only sometimes: eval/* at eval steps, judge/* with the judge reward
-CONDITIONAL = ("eval/", "judge/")
+# names a step reports only sometimes: eval/* at eval steps, judge/* with the judge reward, perf/* with a known peak
+CONDITIONAL = ("eval/", "judge/", "perf/")
 
 
 def test_a_real_step_reports_exactly_the_documented_names(tiny_model, tmp_path):

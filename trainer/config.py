@@ -53,10 +53,18 @@ class ModelConfig(Section):
         description="transformers attention: 'sdpa' (torch's fused attention), 'eager', 'flash_attention_2' "
         "(needs the flash-attn package), 'flex_attention'.",
     )
-    gradient_checkpointing: bool = Field(
+    gradient_checkpointing: bool | Literal["auto"] = Field(
         False,
         description="Recompute each decoder layer in the backward pass instead of keeping its activations: less "
-        "memory for long completions or big batches, about a third more compute per update.",
+        "memory for long completions or big batches, about a third more compute per update. 'auto': on a GPU when "
+        "the update's activations would take more than half the memory free after the model loaded, else off "
+        "(trainer/perf.py memory_plan).",
+    )
+    peak_tflops: float | None = Field(
+        None,
+        gt=0,
+        description="The device's peak TFLOP/s for the perf/mfu_* metrics; default: from the GPU's name in bf16/fp16 "
+        "(H100, H200, A100: trainer/perf.py), and no MFU metrics on another device or in fp32.",
     )
     torch_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads (CPU); None = torch's default, one per core."
@@ -455,12 +463,13 @@ class GRPOConfig(Section):
         default_factory=RolloutCorrectionConfig,
         description="Importance weight for the engine-vs-trainer difference (pi_old is always the trainer's).",
     )
-    pack_sequences: bool = Field(
+    pack_sequences: bool | Literal["auto"] = Field(
         False,
         description="Run the step's forward passes (reference, policy) over each row's real tokens packed end to end "
         "instead of the padded batch (trainer/packing.py): the same logprobs and gradients, fewer positions "
         "through the linear layers when prompt and completion lengths vary. Checked against the padded forward "
-        "when training starts.",
+        "when training starts. 'auto': on a GPU when a micro-batch has more than one row (padded if the model fails "
+        "the check), else off.",
     )
     schedule: list[ScheduleSegment] = Field(
         default_factory=list,

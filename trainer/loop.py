@@ -69,6 +69,7 @@ from .metrics import (
     completion_metrics,
     entropy_metric,
     mean_over_updates,
+    perf_metrics,
     reward_metrics,
     sampling_metrics,
     update_metrics,
@@ -81,6 +82,7 @@ from .model import (
     model_identity,
     resolve_device,
 )
+from .perf import MemoryPlan, matmul_params, memory_plan, peak_flops, step_flops
 from .rewards import RewardComputer
 from .rollouts import RolloutBatch, RolloutProducer
 from .samples import EVAL_SAMPLES_FILE, SAMPLES_FILE, append_rows, sample_rows
@@ -156,6 +158,8 @@ class GRPOTrainer:
         self.train_set, self.eval_set = load_datasets(cfg.data)
         self.sampler = PromptSampler(len(self.train_set), cfg.data.seed)
         self._prompt_cache: dict[int, list[int]] = {}
+        self.memory = self._choose_memory()  # grpo.pack_sequences / model.gradient_checkpointing when "auto"
+        self.flops = self._flops_per_step()  # for perf/mfu_* (trainer/perf.py); None where no peak is known
         self.rewards = RewardComputer(cfg.rewards, group_size=cfg.grpo.num_generations, output_dir=self.out)
         self.gate = HealthGate(
             cfg.health,
@@ -186,7 +190,7 @@ class GRPOTrainer:
             self.model, self.tokenizer = shared.add(self.adapter, cfg.lora, init_adapter)
             self.named_params = adapter_parameters(self.model, self.adapter)
         self.model.train()
-        if g.pack_sequences:
+        if g.pack_sequences is True:  # "auto" is settled, and checked, once the data is loaded (_choose_memory)
             _check_packing(self.model, self.device)
         self.ref_model = None
         if g.beta > 0 and not cfg.lora.enabled and g.kl_ref_step_lag is None:
@@ -196,6 +200,51 @@ class GRPOTrainer:
         if self.world.distributed:  # FSDP2 replaced the parameters with sharded ones
             self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_params]
+
+    def _choose_memory(self) -> MemoryPlan:
+        """Settle grpo.pack_sequences and model.gradient_checkpointing when "auto" (trainer/perf.py memory_plan: on a
+        GPU, from the micro-batch and the memory free now; off one, off) in this trainer's copy of the spec; packing
+        chosen so falls back to the padded forward for a model that fails the packing check."""
+        cfg, g = self.cfg, self.cfg.grpo
+        rows = cfg.grpo.prompts_per_step * g.num_generations
+        micro = -(-rows // (self.world.size * cfg.optim.gradient_accumulation_steps))
+        prompt = max((len(self._prompt(i)) for i in range(min(len(self.train_set), 64))), default=0)
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+        config = self._base_model().config
+        plan = memory_plan(
+            self.device.type,
+            free,
+            micro,
+            prompt + cfg.rollout.max_tokens,
+            config.hidden_size,
+            config.num_hidden_layers,
+            self.model.get_input_embeddings().weight.element_size(),
+            pack=g.pack_sequences,
+            checkpointing=cfg.model.gradient_checkpointing,
+        )
+        if g.pack_sequences == "auto" and plan.pack:
+            try:
+                _check_packing(self.model, self.device)
+            except InputError:
+                plan = MemoryPlan(False, plan.checkpointing, plan.reason + "; packing failed its check: padded")
+        if cfg.model.gradient_checkpointing == "auto" and plan.checkpointing:
+            self._base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        g.pack_sequences, cfg.model.gradient_checkpointing = plan.pack, plan.checkpointing
+        return plan
+
+    def _base_model(self):
+        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+
+    def _flops_per_step(self) -> tuple[int, int, float] | None:
+        """(N, the trainable parameters, the devices' peak FLOP/s) for perf/mfu_*, or None without a known peak."""
+        cfg = self.cfg
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
+        dtype = str(self.model.get_input_embeddings().weight.dtype).removeprefix("torch.")
+        peak = peak_flops(name, dtype, self.world.size, cfg.model.peak_tflops)
+        n = matmul_params(self._base_model().config)
+        if peak is None or n is None:
+            return None
+        return n, sum(p.numel() for p in self.params), peak  # a sharded parameter's numel is the whole one's
 
     def _optimizer(self) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
         """AdamW over the trainable parameters, and the learning-rate schedule over all the run's updates."""
@@ -507,6 +556,12 @@ class GRPOTrainer:
         m.update(laps.seconds)
         m["step_time"] = time.perf_counter() - laps.t0
         m["tokens_per_second"] = sum(lengths) / m["step_time"]
+        if self.flops is not None:  # perf/mfu_* where the device's peak is known (trainer/perf.py)
+            n, trainable, peak = self.flops
+            tokens = sum(len(c.prompt_ids) + len(c.token_ids) for c in every)
+            g = self.cfg.grpo
+            f = step_flops(n, trainable, not self.cfg.lora.enabled, tokens, g.num_iterations, reference=g.beta > 0)
+            m.update(perf_metrics(f.update, f.total, m["time/update"], m["step_time"], peak))
         return m
 
     def evaluate(self, step: int = 0) -> dict[str, float]:

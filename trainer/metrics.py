@@ -75,6 +75,13 @@ METRICS: dict[str, str] = {
     "time/reward": "Seconds scoring completions.",
     "time/logprobs": "Seconds computing reference logprobs outside the update.",
     "time/update": "Seconds in forward, backward and optimizer steps.",
+    # model FLOPs utilisation (trainer/perf.py gives the formula); only where the device's peak is known (a GPU of
+    # trainer/perf.py's table in bf16/fp16, or model.peak_tflops): absent on CPU. TRL logs no MFU; the perf/ prefix
+    # is verl's and prime-rl's.
+    "perf/mfu_update": "Model FLOPs utilisation of the update (forward + backward): its FLOPs (6N a token for a full "
+    "fine-tune, 4N + 6N_lora over a frozen base; N the base's matmul weights) over time/update x the devices' peak.",
+    "perf/mfu_wall": "Model FLOPs utilisation of the whole step: generation (2N a token), reference (2N, beta > 0) and "
+    "update FLOPs over step_time x the devices' peak.",
     "sampling/frac_logprobs_valid": "Share of completion tokens for which the rollout engine gave a finite logprob. "
     "Below 1 the sampling metrics cover only those tokens, and a step with "
     "grpo.rollout_correction mode tis or mis fails.",
@@ -305,6 +312,13 @@ def sampling_metrics(
     t.masked_mean("sampling/truncated_fraction", corr.truncated.float(), loss_mask.float())
     t.masked_mean("sampling/masked_fraction", corr.masked.float(), loss_mask.float())
     return t.values(world)
+
+
+def perf_metrics(update_flops: float, step_flops: float, update_s: float, step_s: float, peak: float | None):
+    """perf/mfu_update and perf/mfu_wall: FLOPs over seconds x `peak` FLOP/s; none without a peak (CPU, unknown)."""
+    if peak is None or update_s <= 0 or step_s <= 0:
+        return {}
+    return {"perf/mfu_update": update_flops / (update_s * peak), "perf/mfu_wall": step_flops / (step_s * peak)}
 
 
 def mean_over_updates(per_update: list[dict[str, float]]) -> dict[str, float]:

@@ -206,7 +206,7 @@ def load_policy(
     model.to(device)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
-    if trainable and model_cfg.gradient_checkpointing:
+    if trainable and model_cfg.gradient_checkpointing is True:  # "auto": settled by the trainer (trainer/perf.py)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     if adapter_path is not None:
