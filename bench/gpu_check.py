@@ -23,8 +23,11 @@ last decode measurements and TRL first):
    device name), and weights + the static KV cache the attention reads each step.
 2. **trials**: concurrent LoRA trials (trainer/multi.py) at N = 1, 2, 4, each 4 trials of 2 steps (4 prompts x 8
    completions of 32 tokens) + an eval of 8 prompts: trials per hour and peak GPU memory, N = 1 being one trial at
-   a time over the same shared model. The trials decode eagerly (rollout.compile_decode: never): the concurrent
-   path's per-row adapters are outside the compiled step today, and one compile per row count would not fit.
+   a time over the same shared model, the trials' rows under their adapters by row slices, decoded eagerly
+   (rollout.compile_decode: never). Then N = 4 again with the adapters stacked and a per-row slot
+   (trainer/engines/stacked.py) in the compiled decode with the draw inside it (compile_decode auto, fused_sampling):
+   one compile, so it runs only with Plan.trial_stacked_s (90 s) of the budget left; it goes before TRL, whose
+   figure bench/README.md already has (TRL is skipped first). `--sections trials` measures it alone.
 3. **trl**: TRL's GRPOTrainer at the same settings (1 warm-up + 1 timed step): s/step and peak memory.
 
 The table goes to stdout and, when $OUT is set, to $OUT/gpu_check.txt; each child's raw result is printed as a
@@ -71,6 +74,8 @@ class Plan:
     decode_rows: tuple[int, ...] = (64, 256)
     decode_repeats: int = 2
     trial_slots: tuple[int, ...] = (1, 2, 4)
+    trial_stacked: tuple[int, ...] = (4,)  # N run again with stacked LoRA in the compiled, fused decode
+    trial_stacked_s: float = 90.0  # a stacked run compiles anew: skipped with less time left in the section
     trials: int = 4
     trial_steps: int = 2
     trial_prompts: int = 4
@@ -103,6 +108,7 @@ SMOKE = Plan(
     budget_s=115.0,
     estimate_s=(("ballast", 20.0), ("trials", 20.0), ("trl", 20.0)),
     reserve_s=(("ballast", 40.0),),
+    trial_stacked_s=20.0,
     decode_large_s=60.0,
 )
 
@@ -269,27 +275,46 @@ def decode_ms(engine, plan: Plan, rows: int, device) -> dict:
 
 
 def child_trials(plan: Plan, model: Path, deadline: float, out: dict, save) -> None:
-    """N trials at a time over one shared model, for each N of plan.trial_slots."""
+    """N trials at a time over one shared model, for each N of plan.trial_slots (row slices per trial, eager
+    decode), then each N of plan.trial_stacked with stacked LoRA in the compiled, fused decode (time allowing)."""
+    import torch
+
+    device = torch.device(plan.device)
+    for slots in plan.trial_slots:
+        out[str(slots)] = trial_run(plan, model, slots, device, stacked=False)
+        save()
+    for slots in plan.trial_stacked:
+        key = f"{slots} stacked"
+        if time.time() + plan.trial_stacked_s > deadline:
+            out[key] = {"skipped": "time budget"}
+        else:
+            out[key] = trial_run(plan, model, slots, device, stacked=True)
+        save()
+
+
+def trial_run(plan: Plan, model: Path, slots: int, device, stacked: bool) -> dict:
+    """plan.trials trials, `slots` at a time: wall seconds, peak memory, each trial's eval reward. stacked: the
+    adapters stacked with a per-row slot (trainer/engines/stacked.py), decoded by the compiled step with the draw
+    inside it (rollout.compile_decode: auto, fused_sampling); else row slices per trial, eager."""
     import torch
 
     from trainer.multi import ConcurrentTrials, TrialJob
 
-    device = torch.device(plan.device)
-    for slots in plan.trial_slots:
-        with tempfile.TemporaryDirectory(prefix="ballast-gpu-trials-") as tmp:
-            gc.collect()  # the last row's model and trainers are gone before this row's peak counts
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            reset_peak(device)
-            jobs = (TrialJob(f"t{i}", cfg, Path(tmp) / f"t{i}") for i, cfg in enumerate(trial_configs(plan, model)))
-            evals = []
-            started = time.perf_counter()
-            with ConcurrentTrials(slots=slots, max_lora_rank=16) as runner:
-                runner.run(jobs, on_end=lambda outcome, t, evals=evals: evals.append(ended(outcome, t)))
-            sync(device)
-            wall = time.perf_counter() - started
-        out[str(slots)] = {"wall_s": wall, "trials": plan.trials, "peak_gib": peak_gib(device), "eval": evals}
-        save()
+    with tempfile.TemporaryDirectory(prefix="ballast-gpu-trials-") as tmp:
+        gc.collect()  # the last row's model and trainers are gone before this row's peak counts
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        reset_peak(device)
+        cfgs = trial_configs(plan, model, compile_decode="auto" if stacked else "never")
+        jobs = (TrialJob(f"t{i}", cfg, Path(tmp) / f"t{i}") for i, cfg in enumerate(cfgs))
+        evals = []
+        started = time.perf_counter()
+        runner = ConcurrentTrials(slots=slots, max_lora_rank=16, stacked_lora=stacked, fused_sampling=stacked)
+        with runner:
+            runner.run(jobs, on_end=lambda outcome, t, evals=evals: evals.append(ended(outcome, t)))
+        sync(device)
+        wall = time.perf_counter() - started
+    return {"wall_s": wall, "trials": plan.trials, "peak_gib": peak_gib(device), "eval": evals, "stacked": stacked}
 
 
 def ended(outcome, trainer) -> float | None:
@@ -298,14 +323,18 @@ def ended(outcome, trainer) -> float | None:
     return trainer.evaluate(trainer.step).get("eval/reward")
 
 
-def trial_configs(plan: Plan, model: Path) -> list:
+def trial_configs(plan: Plan, model: Path, compile_decode: str = "never") -> list:
     import torch
     from trl_step_time import ballast_config
 
     from trainer.config import TrainerConfig
 
     s = settings(
-        plan, prompts_per_step=plan.trial_prompts, max_tokens=plan.trial_tokens, compile_decode="never", num_prompts=64
+        plan,
+        prompts_per_step=plan.trial_prompts,
+        max_tokens=plan.trial_tokens,
+        compile_decode=compile_decode,
+        num_prompts=64,
     )
     base = ballast_config(s, model, torch.device(plan.device), "fixed64", plan.trial_steps).model_dump()
     base["data"]["num_eval_prompts"] = plan.trial_eval_prompts
@@ -518,10 +547,17 @@ def decode_rows(plan: Plan, info: dict, ballast: dict, bw: float | None, add) ->
 
 
 def trial_rows(plan: Plan, trials: dict, add) -> None:
+    """N = 1, 2, 4 (row slices, eager decode), then stacked LoRA in the compiled, fused decode, each against N = 1."""
     base = trials.get(str(plan.trial_slots[0]))
-    for slots in plan.trial_slots:
-        r = trials.get(str(slots))
-        if not r:
+    runs = [(str(n), f"N = {n}") for n in plan.trial_slots]
+    runs += [(f"{n} stacked", f"N = {n}, stacked LoRA (compiled + fused decode on a GPU)") for n in plan.trial_stacked]
+    last_plain = str(plan.trial_slots[-1]) if len(plan.trial_slots) > 1 else None
+    for key, label in runs:
+        r = trials.get(key)
+        if not r or not base:
+            continue
+        if "wall_s" not in r:
+            add("trials", label, "SKIPPED", r.get("skipped", "-"), "", "")
             continue
         tph = 3600 * r["trials"] / r["wall_s"]
         base_tph = 3600 * base["trials"] / base["wall_s"]
@@ -532,15 +568,15 @@ def trial_rows(plan: Plan, trials: dict, add) -> None:
             if ratio_mem
             else f"x{tph / base_tph:.2f} trials/h of N = 1"
         )
-        last = slots == plan.trial_slots[-1] and len(plan.trial_slots) > 1
+        judged = key == last_plain or key.endswith("stacked")
         met = ratio_mem is not None and tph / base_tph >= 3 and ratio_mem <= 1.5
         add(
             "trials",
-            f"N = {slots}: trials/hour, peak ({r['trials']} trials x {plan.trial_steps} steps)",
+            f"{label}: trials/hour, peak ({r['trials']} trials x {plan.trial_steps} steps)",
             f"{tph:.0f}, {memory}",
             against,
-            ">= 3x at <= 1.5x memory" if last else "",
-            status(met) if last else "",
+            ">= 3x at <= 1.5x memory" if judged else "",
+            status(met) if judged else "",
         )
     if "error" in trials and base:
         add("trials", "error", "FAILED", trials["error"], "", "")
