@@ -166,6 +166,8 @@ def test_a_trial_with_another_base_model_is_refused_naming_the_field(tiny_model)
     offline.rollout.engine = "offline"
     with pytest.raises(InputError, match=r"rollout.engine is 'offline'; .*hf or the vllm engine"):
         check_concurrent(offline, None, "a")
+    with pytest.raises(InputError, match=r"trial b: rollout.concurrent_adapters is 'stacked' but the running"):
+        check_concurrent(stacked_cfg(tiny_model, "b"), first, "b")
     served, other_server = trial_cfg(tiny_model, "a"), trial_cfg(tiny_model, "b")
     for cfg in (served, other_server):
         cfg.rollout.engine = "vllm"
@@ -201,13 +203,19 @@ def flat(requests):
     return [c for request in requests for group in request for c in group]
 
 
+def stacked_cfg(tiny_model, name: str) -> TrainerConfig:
+    cfg = trial_cfg(tiny_model, name)
+    cfg.rollout.concurrent_adapters = "stacked"
+    return cfg
+
+
 def test_trials_decoded_with_stacked_adapters_equal_the_same_trials_alone(tiny_model, tmp_path, alone):
-    """ConcurrentTrials(stacked_lora=True): every trial's rows in one forward, the adapters stacked with a per-row slot
-    (trainer/engines/stacked.py) and refreshed from the trials' weights after each of their optimizer steps. A row's
-    LoRA sum runs over every slot (zeros but its own), so the engine's logprobs may move in the last bits: the tokens,
-    samples and rewards are bit-identical, the rest within TOLERANCE."""
-    jobs = (TrialJob(name, trial_cfg(tiny_model, name), tmp_path / name) for name in TRIALS)
-    with ConcurrentTrials(slots=2, stacked_lora=True) as runner:
+    """rollout.concurrent_adapters: stacked — every trial's rows in one forward, the adapters stacked with a per-row
+    slot (trainer/engines/stacked.py) and refreshed from the trials' weights after each of their optimizer steps. A
+    row's LoRA sum runs over every slot (zeros but its own), so the engine's logprobs may move in the last bits: the
+    tokens, samples and rewards are bit-identical, the rest within TOLERANCE (a lone run ignores the field)."""
+    jobs = (TrialJob(name, stacked_cfg(tiny_model, name), tmp_path / name) for name in TRIALS)
+    with ConcurrentTrials(slots=2) as runner:
         outcomes = {o.job.name: o for o in runner.run(jobs)}
         assert runner.shared.engine.stacked is not None and runner.shared.engine.stacked.slots == 2
     for name, sections in TRIALS.items():

@@ -664,6 +664,13 @@ class RolloutConfig(Section):
         description="hf engine: compile the one-token decode step over a static KV cache (torch.compile "
         "'reduce-overhead', i.e. CUDA graphs); auto = on CUDA only. Costs a compile (~1 min) per run.",
     )
+    concurrent_adapters: Literal["slices", "stacked"] = Field(
+        "slices",
+        description="hf engine, concurrent trials (sweep.concurrent_trials > 1): how the trials' rows take their "
+        "LoRA adapters in one batch. 'slices': each adapter's matmul on its trial's rows (eager, outside the compiled "
+        "step); 'stacked': every adapter stacked with a per-row slot, two dense matmuls a layer inside the compiled "
+        "decode step (trainer/engines/stacked.py). Equal for every trial of a sweep.",
+    )
 
     @model_validator(mode="after")
     def _min_tokens_fit(self):

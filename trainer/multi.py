@@ -190,6 +190,12 @@ def check_concurrent(cfg: TrainerConfig, first: TrainerConfig | None, name: str)
         )
     if first is None:
         return
+    if cfg.rollout.concurrent_adapters != first.rollout.concurrent_adapters:
+        raise InputError(
+            f"trial {name}: rollout.concurrent_adapters is {cfg.rollout.concurrent_adapters!r} but the running "
+            f"trials' is {first.rollout.concurrent_adapters!r}; the trials decode in one batch one way — do not "
+            f"search over rollout.concurrent_adapters, {fix}"
+        )
     mine, theirs = _server_fields(cfg), _server_fields(first)
     if cfg.rollout.engine == "vllm" and mine != theirs:
         key = next(k for k in mine if mine[k] != theirs[k])
@@ -262,9 +268,10 @@ def _set_rng_state(state: tuple) -> None:
 class ConcurrentTrials:
     """Runs jobs `slots` at a time over one shared base model; a job is pulled from `jobs` when a slot is free.
     max_lora_rank: the largest lora.r a trial may ask for (a vLLM server is started for it; default: the first
-    vllm trial's). stacked_lora: the HF engine decodes the trials' rows with their adapters stacked and a per-row slot
-    (engines/stacked.py), so they run inside the compiled decode step (rollout.compile_decode), with fused_sampling
-    the draw too (engines/fused.py); default: row slices per trial, outside it. `close()` stops the vLLM server it
+    vllm trial's). stacked_lora (or the first trial's rollout.concurrent_adapters: stacked): the HF engine decodes the
+    trials' rows with their adapters stacked and a per-row slot (engines/stacked.py), so they run inside the compiled
+    decode step (rollout.compile_decode), with fused_sampling the draw too (engines/fused.py); default: row slices per
+    trial, outside it. `close()` stops the vLLM server it
     started, if any."""
 
     def __init__(
@@ -381,7 +388,7 @@ class ConcurrentTrials:
             self.shared = SharedPolicy(
                 job.cfg.model,
                 compile_decode=job.cfg.rollout.compile_decode,
-                stacked_lora=self.stacked_lora,
+                stacked_lora=self.stacked_lora or job.cfg.rollout.concurrent_adapters == "stacked",
                 fused_sampling=self.fused_sampling,
                 slots=self.slots,
                 max_lora_rank=self.max_lora_rank,
