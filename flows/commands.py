@@ -733,6 +733,7 @@ def cmd_pbt(args) -> int:
     from sweeps.population import load_population
 
     pop = load_population(args.file, args.set)  # a bad file or --set fails here, before any model or run exists
+    pop.refuse_a_second_start(args.resume)
     runtime.prestart(pop.spec().project_dir)
     from flows.pbt import ballast_pbt
 

@@ -27,12 +27,10 @@ from tasks.population import (
     confirm_winner,
     member_name,
     population_root,
-    read_state,
     train_population,
     write_replay,
 )
 from tasks.population_page import write_population_page
-from tasks.spec import InputError
 
 
 @dataclass
@@ -60,11 +58,8 @@ confirm_task = task(confirm_winner, name="confirm winner", cache_policy=NO_CACHE
 def ballast_pbt(file: str, overrides: list[str] | None = None, resume: bool = False) -> PopulationSummary:
     """Population-based GRPO of a population file (sweeps/population.py); `resume`: on from its last save."""
     pop = load_population(file, overrides or [])
+    pop.refuse_a_second_start(resume)
     root = population_root(pop)
-    if read_state(root) is not None and not resume:
-        raise InputError(
-            f"population {pop.name} already has a run in {root}; continue it with --resume, or remove that folder"
-        )
     recorder = PopulationRecorder(pop, root)
     parent = recorder.open()
     print(

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tasks.spec import ExperimentSpec, describe_validation_error, read_yaml_mapping, validate_spec
 from trainer.config import SCHEDULED
-from trainer.pbt import Knob, Policy
+from trainer.pbt import POPULATION_FILE, Knob, Policy
 
 from .space import SweepError, SweepSpec, base_spec, load_sweep, sweep_split
 from .split import Split
@@ -75,6 +75,19 @@ class PopulationSpec:
         seed = self.sweep.seed if p.seed is None else p.seed
         maximize = self.sweep.objectives[0].direction == "maximize"
         return Policy(knobs, fixed, p.quantile, tuple(p.perturb), p.resample_probability, maximize, seed)
+
+    def root(self) -> Path:
+        """Where the population's members, saves and pages go."""
+        return Path(self.spec().project_dir).resolve() / "populations" / self.name
+
+    def refuse_a_second_start(self, resume: bool) -> None:
+        """A population already saved in root() is continued with --resume, never started over it (checked before
+        any model or flow run exists)."""
+        if not resume and (self.root() / POPULATION_FILE).is_file():
+            raise SweepError(
+                f"population {self.name} already has a run in {self.root()}; continue it with --resume, or remove "
+                "that folder"
+            )
 
     def spec(self) -> ExperimentSpec:
         """The members' base spec: base + overrides, evals on the selection prompts."""

@@ -41,7 +41,7 @@ RUNS_FILE = "mlflow.json"
 
 
 def population_root(pop: PopulationSpec) -> Path:
-    return Path(pop.spec().project_dir).resolve() / "populations" / pop.name
+    return pop.root()
 
 
 @dataclass

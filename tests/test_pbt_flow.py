@@ -113,6 +113,18 @@ def test_the_summary_page_draws_the_lineage_and_the_winners_schedule_in_chromium
     assert not errors
 
 
+def test_starting_a_saved_population_again_is_one_line_exit_2_naming_resume(population):
+    """Before any flow run or model load (it printed a Prefect traceback first): the saved population is untouched."""
+    tmp, _ = population
+    saved = next((tmp / "project" / "populations").glob("*/population.json"))
+    before = saved.read_bytes()
+    done = ballast("pbt", str(tmp / "pbt.yaml"))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()], done.stderr[-2000:]
+    assert "already has a run" in done.stderr and "--resume" in done.stderr
+    assert saved.read_bytes() == before
+
+
 def test_a_space_field_a_population_cannot_schedule_is_one_line_exit_2(tiny_model, tmp_path):
     path = population_file(tmp_path, tiny_model)
     data = yaml.safe_load(path.read_text())

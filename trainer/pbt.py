@@ -25,6 +25,8 @@ import math
 import random
 from dataclasses import dataclass, field
 
+POPULATION_FILE = "population.json"  # a population's save (trainer/population.py): what --resume reads
+
 
 @dataclass(frozen=True)
 class Knob:

@@ -46,9 +46,8 @@ from .config import SCHEDULED, InputError, TrainerConfig
 from .loop import Callbacks, SafePoint, TrainingError
 from .model import compare_fingerprint, logprob_fingerprint
 from .multi import ConcurrentTrials, TrialJob, _Trial
-from .pbt import Policy, Replacement, decide, initial_hparams, rank
+from .pbt import POPULATION_FILE, Policy, Replacement, decide, initial_hparams, rank
 
-POPULATION_FILE = "population.json"
 NEVER = 10**9  # a member's own checkpoint cadence: the population saves them all together
 
 
