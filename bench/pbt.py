@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -42,6 +43,7 @@ def arm_file(kind: str, seed: int, population: int, steps: int) -> Path:
     source = REPO / "examples" / ("pbt.yaml" if kind == "pbt" else "sweep.yaml")
     data = yaml.safe_load(source.read_text())
     project = OUT / f"{kind}-seed{seed}"
+    shutil.rmtree(project, ignore_errors=True)  # each arm from scratch: a rerun of the bench must not resume one
     data["base"] = str(source.parent / data["base"])
     data["seed"], data["study"] = seed, f"bench-{kind}-{seed}"
     data["overrides"] = {**data["overrides"], "optim.steps": steps, "project_dir": str(project)}
