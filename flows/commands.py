@@ -278,7 +278,7 @@ def _run_pipeline(project_dir: str, spec: str, overrides: list[str], resume_run_
     runtime.prestart(project_dir)
     _check_store(checked)
     from flows.pipeline import run_pipeline  # torch, transformers, MLflow: imported while the server starts
-    from tasks.train import RunInterrupted
+    from tasks.results import RunInterrupted
 
     runtime.wait_until_started()
     try:
@@ -398,7 +398,7 @@ def cmd_train(args) -> int:
     (out / "spec.yaml").write_text(dump_spec(spec))
     result, resumed_from = train_alone(spec, out, args.resume, progress=not args.quiet, source=source)
     if result.interrupted:  # SIGTERM or Ctrl-C: stopped after a step, checkpoint saved there
-        from tasks.train import RunInterrupted
+        from tasks.results import RunInterrupted
 
         stop = RunInterrupted(
             result.interrupted,

@@ -40,9 +40,8 @@ from flows.stages import Watch, after_training, open_run, provision_task, teardo
 from flows.view import PipelineView, flow_run_link, name_failed_start, starting_name
 from tasks.metrics_sink import TrackingUnavailable
 from tasks.remote import NodeChoice, check_compute, open_compute, record_usage
+from tasks.results import PipelineResult, RunInterrupted
 from tasks.spec import ExperimentSpec, SpecError, load_spec
-from tasks.summary import PipelineResult
-from tasks.train import RunInterrupted
 
 FLOW = dict(name="ballast-pipeline", flow_run_name=starting_name, persist_result=False, log_prints=True)
 

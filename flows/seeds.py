@@ -21,8 +21,9 @@ from sweeps.confirmation import SeedJob, SeedResult
 from sweeps.space import largest_lora_rank
 from tasks.checkpoint import CheckpointUploader
 from tasks.record import RunRecorder
+from tasks.results import TrainOutcome
 from tasks.spec import ExperimentSpec
-from tasks.train import ConcurrentTraining, TrainJob, TrainOutcome
+from tasks.train import ConcurrentTraining, TrainJob
 
 SEED_TAG = "seed_of_trial"  # a seed run's MLflow tag (ballast.seed_of_trial): the trial it retrains
 

@@ -27,9 +27,10 @@ from tasks.fork import fork
 from tasks.probe import probe_checkpoint, run_probe_args
 from tasks.record import RunRecorder, StageError
 from tasks.remote import Node, eval_on_node, probe_on_node, train_on_node
+from tasks.results import RunInterrupted
 from tasks.spec import ExperimentSpec
 from tasks.tracking import Tracking, store_uri
-from tasks.train import RunInterrupted, run_training
+from tasks.train import run_training
 
 NO_RESULT = dict(cache_policy=NO_CACHE, persist_result=False)
 fork_task = task(fork, name="fork", **NO_RESULT)

@@ -31,9 +31,8 @@ from flows import runtime
 from tasks.checkpoint import CheckpointSet
 from tasks.eval import EvalResult
 from tasks.fork import ForkSource
-from tasks.probe_report import ProbeReport
-from tasks.summary import STDERR, PipelineResult, StopReason
-from tasks.train import Callbacks, RunInterrupted, TrainOutcome
+from tasks.results import STDERR, PipelineResult, ProbeReport, RunInterrupted, StopReason, TrainOutcome
+from tasks.train import Callbacks
 
 PIPED_LINES = 20  # about this many training-progress lines per run when output is piped
 PREFECT_UI_PORT = 4200  # where `ballast ui` serves the Prefect UI of the embedded store (flows/cli.py's default)

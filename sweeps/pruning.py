@@ -32,7 +32,7 @@ import math
 
 import optuna
 
-from tasks.summary import PipelineResult
+from tasks.results import PipelineResult
 from trainer.checkpoint import fault_point
 from trainer.loop import Callbacks
 

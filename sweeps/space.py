@@ -604,7 +604,7 @@ def stability(history: list[dict], health: HealthConfig) -> float:
 
 
 def objective_value(obj: ObjectiveSpec, result, health: HealthConfig) -> float:
-    """One objective's value from a pipeline result (tasks.summary.PipelineResult); raises ValueError when the run
+    """One objective's value from a pipeline result (tasks.results.PipelineResult); raises ValueError when the run
     did not produce it."""
     history = result.history
     if obj.metric == "stability":

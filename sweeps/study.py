@@ -51,7 +51,7 @@ from optuna.storages import RDBStorage
 from optuna.study import MaxTrialsCallback
 from optuna.trial import FrozenTrial, TrialState
 
-from tasks.summary import PipelineResult
+from tasks.results import PipelineResult
 
 from .pruning import TrialPruning, verdict
 from .runner import RunnerReport

@@ -51,13 +51,20 @@ from mlflow.exceptions import MlflowException
 from infra.mlflow_server import TrackingUnavailable, is_http, short_reason
 from trainer.checkpoint import HOLD_TIMEOUT_S, fault_armed, fault_point, list_checkpoints
 from trainer.loop import Callbacks
-from trainer.samples import read_rows
 
 PENDING = "mlflow-pending.jsonl"
 RECORD = "metrics.jsonl"  # the trainer's step metrics in the run directory: the record
 BATCH = 1000  # metrics per log_batch call (MLflow's limit)
 NONDETERMINISTIC = ("time/", "step_time", "tokens_per_second", "judge/")  # measured, or served from a cache on replay
 Copies = Callable[[dict], dict]  # the metrics logged beside a step's own (the recorder's headline copies)
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows of one of the run directory's JSON-lines files — the record, the spool, the samples tables the
+    trainer appends to (trainer/samples.py) —; [] when there is none."""
+    if not Path(path).is_file():
+        return []
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def _same(a: float, b: float) -> bool:

@@ -1,6 +1,6 @@
 """The artifact probe: reload a saved checkpoint in a fresh model, sample fixed prompts, and say whether what
 comes out is healthy — compared with what the model it started from writes on the same prompts. `probe_checkpoint()`
-runs the steps below and returns a `ProbeReport` (tasks/probe_report.py).
+runs the steps below and returns a `ProbeReport` (tasks/results.py).
 
 1. **Fetch and verify** the artifact (local path or s3://): every file's sha256 (`Checkpoint.open`).
 2. **Identity checks** from the manifest: the base model it was trained on (config and weights sha256) against
@@ -48,7 +48,7 @@ from scipy.stats import binomtest, fisher_exact
 from transformers import AutoTokenizer
 
 from tasks.checkpoint import fetch_checkpoint
-from tasks.probe_report import CI_LEVEL, Baseline, Check, ProbeReport, ProbeSample, PromptResult
+from tasks.results import CI_LEVEL, Baseline, Check, ProbeReport, ProbeSample, PromptResult
 from tasks.spec import ProbeConfig
 from trainer.checkpoint import Checkpoint, CheckpointError
 from trainer.config import DataConfig, LoraConfig, ModelConfig, RewardConfig

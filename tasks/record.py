@@ -54,19 +54,17 @@ from tasks.checkpoint import CheckpointSet, checkpoint_prefix
 from tasks.compare import Comparison
 from tasks.eval import EvalResult
 from tasks.fork import ForkSource
-from tasks.metrics_sink import PENDING, RECORD, Held, MetricsSink, now_ms, step_metrics, sync_record
-from tasks.probe_report import ProbeReport
+from tasks.metrics_sink import PENDING, RECORD, Held, MetricsSink, now_ms, read_rows, step_metrics, sync_record
 from tasks.regression import RegressionResult
 from tasks.report import plot_history, write_run_report
+from tasks.results import PipelineResult, ProbeReport, RunInterrupted, RunStatus, StopReason, TrainOutcome
 from tasks.spec import ExperimentSpec, dump_spec, flat_params, spec_hash
-from tasks.summary import PipelineResult, RunStatus, StopReason
 from tasks.tracking import GAIN_TAG, SWEPT_TAG, TAG, Tracking, run_name, store_uri, user_name
-from tasks.train import RunInterrupted, TrainOutcome
 from trainer.checkpoint import Checkpoint, code_ref, list_checkpoints, step_dir_name
 from trainer.data import data_fingerprint, load_datasets
 from trainer.loop import Callbacks
 from trainer.metrics import METRICS  # noqa: F401  (the glossary of what is logged: `ballast metrics`)
-from trainer.samples import EVAL_SAMPLES_FILE, SAMPLES_FILE, append_rows, read_rows
+from trainer.samples import EVAL_SAMPLES_FILE, SAMPLES_FILE, append_rows
 
 SOURCE_NAME = "flows/pipeline.py:ballast_pipeline"
 LONG_FACTS = ("code_commit", "base_model", "output_dir", "checkpoint_prefix", "fork_checkpoint")

@@ -66,10 +66,10 @@ from infra.store import ChecksumError, StoreUnavailable, open_store
 from tasks.checkpoint import CheckpointUploader, checkpoint_prefix, fetch_checkpoint
 from tasks.eval import EvalResult, eval_checkpoint
 from tasks.probe import ProbeError, probe_checkpoint, run_probe_args
-from tasks.probe_report import ProbeReport
 from tasks.record import store_uri
+from tasks.results import ProbeReport, RunInterrupted, TrainOutcome
 from tasks.spec import SpecError, dump_spec, load_spec
-from tasks.train import RunInterrupted, TrainOutcome, run_training
+from tasks.train import run_training
 from trainer.checkpoint import Checkpoint, CheckpointError, list_checkpoints, parse_step_dir, step_dir_name
 from trainer.config import InputError
 from trainer.loop import Callbacks

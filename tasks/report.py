@@ -22,8 +22,10 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 from matplotlib.ticker import FuncFormatter, MaxNLocator  # noqa: E402
 
 from tasks.pages import commit_link, render_page  # noqa: E402
-from tasks.probe_report import ProbeReport  # noqa: E402
-from tasks.summary import PipelineResult  # noqa: E402
+from tasks.results import (
+    PipelineResult,  # noqa: E402
+    ProbeReport,  # noqa: E402
+)
 from trainer.config import HealthConfig  # noqa: E402
 from trainer.health import GATE_SIGNALS  # noqa: E402
 

@@ -316,8 +316,8 @@ def validate_spec(data: dict, where: str = "spec", spec_dir: Path | None = None)
     stored absolute) and its reward functions (imported from `spec_dir` or the working directory, each user
     function called once on placeholder completions for the first prompts of the data) checked — all before torch
     or a model loads; any problem is a SpecError naming the field or file:line."""
-    _refuse_secrets(data, where)
     _refuse_nul(data, where)
+    _refuse_secrets(data, where)
     try:
         spec = ExperimentSpec.model_validate(data)
     except ValidationError as e:

@@ -11,79 +11,16 @@ model (trainer/multi.py), each ending with the TrainOutcome `run_training` would
 from __future__ import annotations
 
 import json
-import signal
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.fork import ForkError, ForkSource, fork
+from tasks.results import TrainOutcome
 from tasks.spec import ExperimentSpec
 from trainer.loop import Callbacks, GRPOTrainer, RunResult, check_resume
 from trainer.model import ensure_model
 from trainer.multi import ConcurrentTrials, TrialJob, TrialOutcome
-
-
-@dataclass
-class TrainOutcome:
-    output_dir: Path
-    last_step: int
-    stopped: str | None  # why the run stopped early ('collapsed: ...', 'pruned: ...')
-    last_checkpoint: Path | None
-    history: list[dict] = field(default_factory=list)  # one metrics dict per step, the resumed-over steps too
-    trainer_seconds: float = 0.0  # wall seconds of this invocation's steps
-    eval_start: dict | None = None  # eval/* before the first step (eval.on_start)
-    interrupted: str | None = None  # the signal that stopped training at a safe point (SIGTERM, SIGINT)
-
-    @property
-    def rewards(self) -> list[float]:
-        return [m["reward"] for m in self.history if "reward" in m]
-
-    def raise_if_interrupted(self) -> None:
-        """A run stopped by a signal goes no further than the checkpoint saved where it stopped."""
-        if self.interrupted:
-            raise RunInterrupted(self.interrupted, self.last_step, self.last_checkpoint)
-
-
-class RunInterrupted(Exception):
-    """A signal stopped a run: which one, the last step done and its checkpoint, whether it stopped at a safe point
-    (after a step, checkpoint saved there) or at once (mid-step: a resume starts from the newest checkpoint, or from
-    step 1 without one), and the command that continues it. The exit status is the shell's: 128 + the signal."""
-
-    def __init__(
-        self,
-        signal_name: str,
-        step: int | None = None,
-        checkpoint: Path | None = None,
-        at_once: bool = False,
-        run: str = "the run",
-        resume: str | None = None,
-    ):
-        super().__init__(signal_name)
-        self.signal, self.step, self.checkpoint, self.at_once = signal_name, step, checkpoint, at_once
-        self.run, self.resume = run, resume
-
-    @classmethod
-    def of(cls, error: BaseException, checkpoints: list[tuple[int, Path]]) -> RunInterrupted:
-        """From a signal that stopped the run at once (KeyboardInterrupt, Prefect's TerminationSignal), given the run's
-        checkpoints as (step, path), oldest first."""
-        number = getattr(error, "signal", None)
-        name = signal.Signals(number).name if isinstance(number, int) else "SIGINT"
-        step, path = checkpoints[-1] if checkpoints else (None, None)
-        return cls(name, step, path, at_once=True)
-
-    def __str__(self) -> str:
-        if not self.at_once:
-            where = f"after step {self.step}, checkpoint saved ({self.checkpoint})"
-        elif self.checkpoint is not None:
-            where = f"during a step; it continues from its newest checkpoint, step {self.step} ({self.checkpoint})"
-        else:
-            where = "before its first checkpoint; it starts again from step 1"
-        resume = f"; continue with: {self.resume}" if self.resume else ""
-        return f"{self.run} stopped by {self.signal} {where}{resume}"
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + int(signal.Signals[self.signal])
 
 
 def run_training(

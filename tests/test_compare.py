@@ -8,7 +8,7 @@ import pytest
 
 from tasks.compare import compare, format_verdict, plot_comparison, pool_reports, resolve_target
 from tasks.probe import wilson_interval
-from tasks.probe_report import REPORT_KIND
+from tasks.results import REPORT_KIND
 from trainer.health import REASONS
 
 

@@ -13,9 +13,9 @@ from tasks.checkpoint import CheckpointSet
 from tasks.eval import EvalResult
 from tasks.fork import ForkSource
 from tasks.record import RunRecorder
+from tasks.results import TrainOutcome
 from tasks.spec import load_spec
 from tasks.tracking import DEFAULT_UI_URL, EXPERIMENT_KIND, Tracking
-from tasks.train import TrainOutcome
 from tests.conftest import tiny_spec
 from trainer.checkpoint import code_ref
 

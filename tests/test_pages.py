@@ -16,9 +16,8 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution
 from optuna.trial import TrialState, create_trial
 
 from tasks.compare import compare, plot_comparison, write_comparison_html
-from tasks.probe_report import Check, ProbeReport, ProbeSample, PromptResult
 from tasks.report import PLOTS, draw_plot, plot_history, write_run_report
-from tasks.summary import PipelineResult, StopReason
+from tasks.results import Check, PipelineResult, ProbeReport, ProbeSample, PromptResult, StopReason
 from tests.conftest import REPO
 from trainer.config import HealthConfig
 from trainer.health import REASONS

@@ -42,7 +42,7 @@ def pipeline_spec(tiny_model, project, **sections):
 
 def run(spec_dict, resume_run_id=None):
     from flows.pipeline import ballast_pipeline
-    from tasks.summary import PipelineResult
+    from tasks.results import PipelineResult
 
     state = ballast_pipeline(spec_dict, resume_run_id=resume_run_id, return_state=True)
     result = state.result(raise_on_failure=False)

@@ -5,7 +5,7 @@ repeating one step, how a run ended as markdown, and commit links for the usual 
 import pytest
 
 from tasks.pages import commit_link, number, percent, significant
-from tasks.summary import PipelineResult
+from tasks.results import PipelineResult
 
 
 def result(rewards: list[float], **fields) -> PipelineResult:

@@ -22,7 +22,7 @@ from tasks.probe import (
     probe_checkpoint,
     wilson_interval,
 )
-from tasks.probe_report import REPORT_KIND, ProbeReport
+from tasks.results import REPORT_KIND, ProbeReport
 from tasks.spec import ProbeConfig, load_spec
 from tests.conftest import REPO
 from trainer.checkpoint import MANIFEST, list_checkpoints, sha256_file

@@ -138,7 +138,7 @@ def test_an_in_training_eval_prints_its_line_on_a_terminal_with_its_uncertainty(
 
 
 def test_the_final_summary_shows_held_out_scores_with_their_95_percent_interval():
-    from tasks.summary import PipelineResult
+    from tasks.results import PipelineResult
 
     result = PipelineResult(
         run_id="r",
@@ -154,7 +154,7 @@ def test_the_final_summary_shows_held_out_scores_with_their_95_percent_interval(
 
 
 def test_a_stop_reason_is_read_once_into_its_kind_and_message():
-    from tasks.summary import StopReason
+    from tasks.results import StopReason
 
     collapsed = StopReason.parse("collapsed: kl=2 > 1 for 2 consecutive steps")
     assert (collapsed.kind, collapsed.message) == ("collapsed", "kl=2 > 1 for 2 consecutive steps")

@@ -384,7 +384,7 @@ def test_a_collapsed_trial_is_pruned_not_a_crash_in_mlflow_and_named_collapsed_i
 )
 def test_a_pipeline_run_ends_in_a_prefect_state_named_for_how_it_ended(status, state):
     from flows.pipeline import final_state
-    from tasks.summary import PipelineResult
+    from tasks.results import PipelineResult
 
     result = PipelineResult(run_id="r", output_dir="/tmp/r", status=status)
     ended = final_state(result)

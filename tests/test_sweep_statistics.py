@@ -21,7 +21,7 @@ from sweeps.pruning import verdict
 from sweeps.space import load_sweep, sweep_split
 from sweeps.split import SPLIT_ATTR
 from sweeps.statistics import expected_max_normal, z_simultaneous
-from tasks.summary import PipelineResult
+from tasks.results import PipelineResult
 from tests.conftest import tiny_spec
 from trainer.config import HealthConfig
 

@@ -81,10 +81,3 @@ def append_rows(path: Path, rows: list[dict]) -> None:
     if rows:
         with open(path, "a", encoding="utf-8") as f:
             f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-
-
-def read_rows(path: Path) -> list[dict]:
-    """The rows of a samples file; [] when there is none."""
-    if not Path(path).is_file():
-        return []
-    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]

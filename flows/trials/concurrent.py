@@ -36,10 +36,10 @@ from tasks.checkpoint import CheckpointUploader
 from tasks.metrics_sink import TrackingUnavailable
 from tasks.record import RunRecorder
 from tasks.remote import node_spec
+from tasks.results import PipelineResult, TrainOutcome
 from tasks.spec import ExperimentSpec, validate_spec
-from tasks.summary import PipelineResult
 from tasks.sweep_record import SweepRecorder
-from tasks.train import ConcurrentTraining, TrainJob, TrainOutcome
+from tasks.train import ConcurrentTraining, TrainJob
 
 
 class ConcurrentRunner:

@@ -17,8 +17,8 @@ from infra.compute import Usage
 from sweeps.runner import Budget, RunnerReport
 from sweeps.study import COMPUTE_ATTR, optimize, retried, run_trial
 from tasks.remote import node_spec
+from tasks.results import RunInterrupted
 from tasks.sweep_record import SweepRecorder
-from tasks.train import RunInterrupted
 
 
 class SequentialRunner:
