@@ -25,12 +25,13 @@ import yaml
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
+from tasks.metrics_sink import read_rows
 from tasks.record import EVAL_SAMPLES_TABLE, HEADLINE, HEADLINE_KEYS, SAMPLES_TABLE
 from tests.conftest import REPO, tiny_spec
 from trainer.checkpoint import step_dir_name
 from trainer.config import TrainerConfig
 from trainer.loop import GRPOTrainer
-from trainer.samples import EVAL_SAMPLES_FILE, SAMPLES_FILE, read_rows
+from trainer.samples import EVAL_SAMPLES_FILE, SAMPLES_FILE
 
 STEPS = 6
 SECTIONS = dict(
