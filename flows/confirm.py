@@ -95,7 +95,10 @@ class Judge:
 
     def retrain(self, jobs: list[SeedJob]) -> list[SeedResult]:
         """Each job's settings trained with other seeds: together as LoRA adapters when concurrent_trials allows,
-        else one pipeline run after another."""
+        else one pipeline run after another. The runs an interrupted confirmation left of the same jobs are deleted
+        first, as a re-run trial's are: the study keeps one run per (trial, seed)."""
+        for job in jobs:
+            self.recorder.discard_seed_runs(job.number, job.seed)
         if self.sweep.concurrent_trials > 1 and len(jobs) > 1:
             return retrain_concurrently(self, jobs)
         return [self.seed_run(job) for job in jobs]

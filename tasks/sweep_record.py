@@ -175,6 +175,17 @@ class SweepRecorder:
             for run in self.trial_runs(number):
                 self.tracking.delete_run_tree(run.info.run_id)
 
+    def discard_seed_runs(self, number: int, seed: int) -> None:
+        """The MLflow runs an interrupted confirmation left of trial `number` trained at seed offset `seed`, deleted
+        with their stage runs before it trains again (flows/confirm.py)."""
+        runs = self.client.search_runs(
+            [self.tracking.experiment_id],
+            filter_string=f"tags.mlflow.parentRunId = '{self.parent_run_id}' and tags.`ballast.seed_of_trial` = "
+            f"'{number}' and tags.`ballast.seed_offset` = '{seed}'",
+        )
+        for run in runs:
+            self.tracking.delete_run_tree(run.info.run_id)
+
     def delete(self) -> int:
         """The sweep's parent run and every run under it deleted (`ballast sweep --delete`); how many."""
         return self.tracking.delete_run_tree(self.parent_run_id) if self.parent_run_id else 0

@@ -153,3 +153,36 @@ def test_deleting_a_sweep_deletes_its_study_and_every_mlflow_run_of_it(tiny_mode
     assert client.search_runs([exp]) == []  # no orphan: parent, trial runs and their stage runs all gone
     assert STUDY not in [s.study_name for s in optuna.get_all_study_summaries(f"sqlite:///{project / 'optuna.db'}")]
     assert ballast("sweep", "--delete", STUDY, "--storage", f"sqlite:///{project / 'optuna.db'}") == 2
+
+
+def test_a_confirmation_seed_run_trained_again_replaces_the_run_its_killed_attempt_left(
+    tiny_model, tmp_path, prefect_api
+):
+    """A sweep killed while the confirmation retrains a trial at another seed (bench/sweep_kill.py hit it: 8 seed runs
+    for 4 after the resume) trains that seed run again on resume: the killed attempt's run is deleted first, the other
+    seed runs are left alone, and the study keeps one MLflow run per (trial, seed)."""
+    from flows.confirm import Judge
+    from sweeps.confirmation import SeedJob
+    from sweeps.space import base_spec, load_sweep, sweep_split
+    from tasks.spec import validate_spec
+    from tasks.sweep_record import SweepRecorder
+
+    project = tmp_path / "project"
+    sweep = load_sweep(kill_sweep_file(tiny_model, project))
+    recorder = SweepRecorder(validate_spec(base_spec(sweep), "sweep base spec"), sweep.study_name)
+    study = optuna.create_study(study_name=STUDY, storage=f"sqlite:///{project / 'optuna.db'}")
+    recorder.open_parent(study, {}, {})
+    judge = Judge(study, sweep, recorder, sweep_split(sweep), print)
+    job, other = SeedJob(0, {"optim.learning_rate": 1e-3}, 1), SeedJob(1, {"optim.learning_rate": 2e-3}, 1)
+    left = {}
+    for j in (job, other):  # what a SIGKILL mid-confirmation leaves: RUNNING seed runs under the parent
+        left[j.number] = recorder.tracking.create_run(f"killed seed run of trial {j.number}", recorder.parent_run_id)
+        recorder.tracking.set_tags(left[j.number], judge.seed_tags(j))
+
+    (result,) = judge.retrain([job])
+
+    assert result.status == "finished" and result.run_id != left[0]
+    runs = trial_runs(project)
+    seeds = sorted((r.data.tags["ballast.seed_of_trial"], r.data.tags["ballast.seed_offset"]) for r in runs)
+    assert seeds == [("0", "1"), ("1", "1")]  # one run per (trial, seed): the new one, and the job not retrained
+    assert {r.info.run_id for r in runs} == {result.run_id, left[1]}
