@@ -100,13 +100,7 @@ class SweepRecorder:
         self.tracking.set_tags(rid, {"baseline": f"{baseline.source}: {shown}"})
 
     def child_run(self, number: int):
-        runs = self.client.search_runs(
-            [self.tracking.experiment_id],
-            max_results=5,
-            order_by=["attributes.start_time DESC"],
-            filter_string=f"tags.mlflow.parentRunId = '{self.parent_run_id}' and tags.`ballast.study` = "
-            f"'{self.study_name}' and tags.`ballast.trial_number` = '{number}'",
-        )
+        runs = self._children(self._trial(number), max_results=5, order_by=["attributes.start_time DESC"])
         return runs[0] if runs else None
 
     def record_trial(self, study, frozen) -> None:
@@ -150,20 +144,13 @@ class SweepRecorder:
 
     def trial_runs(self, number: int) -> list:
         """Every MLflow run trial `number` left under the parent run (one, unless it was interrupted and run again)."""
-        return self.client.search_runs(
-            [self.tracking.experiment_id],
-            filter_string=f"tags.mlflow.parentRunId = '{self.parent_run_id}' and tags.`ballast.study` = "
-            f"'{self.study_name}' and tags.`ballast.trial_number` = '{number}'",
-        )
+        return self._children(self._trial(number))
 
     def compare_url(self) -> str:
         """MLflow's Compare page of every trial run of the study (trial order): one click from the terminal, the page
         and the parent run's note, where the runs table takes six."""
-        runs = self.client.search_runs(
-            [self.tracking.experiment_id],
-            filter_string=f"tags.mlflow.parentRunId = '{self.parent_run_id}' and tags.`ballast.study` = "
-            f"'{self.study_name}' and tags.`ballast.trial_number` != ''",
-            max_results=1000,
+        runs = self._children(
+            f"tags.`ballast.study` = '{self.study_name}' and tags.`ballast.trial_number` != ''", max_results=1000
         )
         runs.sort(key=lambda r: int(r.data.tags.get("ballast.trial_number", 0)))
         return self.tracking.compare_url([r.info.run_id for r in runs]) if runs else ""
@@ -178,13 +165,17 @@ class SweepRecorder:
     def discard_seed_runs(self, number: int, seed: int) -> None:
         """The MLflow runs an interrupted confirmation left of trial `number` trained at seed offset `seed`, deleted
         with their stage runs before it trains again (flows/confirm.py)."""
-        runs = self.client.search_runs(
-            [self.tracking.experiment_id],
-            filter_string=f"tags.mlflow.parentRunId = '{self.parent_run_id}' and tags.`ballast.seed_of_trial` = "
-            f"'{number}' and tags.`ballast.seed_offset` = '{seed}'",
-        )
-        for run in runs:
+        where = f"tags.`ballast.seed_of_trial` = '{number}' and tags.`ballast.seed_offset` = '{seed}'"
+        for run in self._children(where):
             self.tracking.delete_run_tree(run.info.run_id)
+
+    def _children(self, where: str, **kwargs) -> list:
+        """The runs under the study's parent run that match `where`, an MLflow filter on their tags."""
+        where = f"tags.mlflow.parentRunId = '{self.parent_run_id}' and {where}"
+        return self.client.search_runs([self.tracking.experiment_id], filter_string=where, **kwargs)
+
+    def _trial(self, number: int) -> str:
+        return f"tags.`ballast.study` = '{self.study_name}' and tags.`ballast.trial_number` = '{number}'"
 
     def delete(self) -> int:
         """The sweep's parent run and every run under it deleted (`ballast sweep --delete`); how many."""
