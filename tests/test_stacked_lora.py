@@ -18,6 +18,16 @@ from trainer.engines.hf import HFEngine
 from trainer.engines.stacked import StackedLora, stacked_for
 from trainer.multi import SharedPolicy
 
+LOGITS = 1e-5  # stacked vs peft per-row forward, fp32: the same products summed in another order
+
+
+def logprob_bound(temperature: float) -> float:
+    """What LOGITS allows a sampled token's logprob, log_softmax(logits / T)[token]: its logit and the logsumexp each
+    move by at most LOGITS / T. The bound, not a margin: 1e-5 flat was the logits' figure, and on an AMD EPYC the
+    z rows (T 0.7) landed at 1.1e-5."""
+    return 2 * LOGITS / temperature
+
+
 ADAPTERS = {  # name: (rank, alpha, targets)
     "x": (2, 4, "all-linear"),
     "y": (8, 8, "all-linear"),
@@ -56,7 +66,7 @@ def test_the_stacked_forward_equals_peft_per_row_forward_in_any_row_order(shared
         with torch.no_grad():
             want = model(input_ids=ids, attention_mask=mask, adapter_names=names).logits
         got = stacked_logits(model, stack, names, ids, mask)
-        assert (got - want).abs().max() <= 1e-5, names
+        assert (got - want).abs().max() <= LOGITS, names
     with torch.no_grad():  # the adapters matter: the stacked rows are not the base model's
         base = model(input_ids=ids, attention_mask=mask, adapter_names=["__base__"] * 6).logits
     assert (stacked_logits(model, stack, ["y"] * 6, ids, mask) - base).abs().max() > 1e-2
@@ -83,7 +93,7 @@ def test_a_refresh_after_an_optimizer_step_brings_the_stack_up_to_date_in_place(
     assert stacked_for(stack, model, ["x", "y"]) is stack  # the same stack, refreshed
     assert [(s.a.data_ptr(), s.b.data_ptr(), s.scale.data_ptr()) for s in stack.stacks] == addresses
     fresh = (stacked_logits(model, stack, names, ids, mask) - want).abs().max()
-    assert fresh <= 1e-5
+    assert fresh <= LOGITS
 
 
 def test_a_new_adapter_takes_a_free_slot_and_the_others_keep_theirs(shared):
@@ -105,13 +115,13 @@ def test_the_engines_stacked_path_samples_what_peft_per_row_path_samples(shared)
     got = stacked.generate_many(requests)
     assert stacked.stacked is not None and set(stacked.stacked.names) == {"x", "y", "z"}
     assert tokens(got) == tokens(peft_rows)
-    assert max_logprob_difference(got, peft_rows) <= 1e-5
+    assert max_logprob_difference(got, peft_rows) <= logprob_bound(min(x.temperature, z.temperature))
 
 
 def test_trials_decoded_together_in_the_compiled_stacked_step_equal_each_alone(shared):
     """The fused, compiled decode (one graph per token, the draw inside it) with each row under its own adapter: the
     tokens of each trial's rows are those it samples alone under its adapter (peft's ordinary forward, the same
-    compiled step), logprobs within 1e-5. Two compiles (~2 min on 2 cores)."""
+    compiled step), logprobs within what 1e-5 on the logits allows. Two compiles (~2 min on 2 cores)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -129,7 +139,7 @@ def test_trials_decoded_together_in_the_compiled_stacked_step_equal_each_alone(s
         model.set_adapter(name)
         alone.append(engine.generate(prompts, params))
     assert tokens(together) == tokens(alone)
-    assert max_logprob_difference(together, alone) <= 1e-5
+    assert max_logprob_difference(together, alone) <= logprob_bound(min(px.temperature, py.temperature))
     assert len({tuple(t) for request in tokens(together) for group in request for t in group}) > 2
 
 
