@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from flows.seeds import SEED_TAG, retrain_concurrently, seed_run_name
-from flows.trials.lines import TrialProgress
+from flows.trials.lines import seed_progress
 from sweeps.baseline import load_baseline
 from sweeps.confirmation import Confirmation, SeedJob, SeedResult, confirm, verdict_lines
 from sweeps.pruning import run_tokens
@@ -121,7 +121,7 @@ class Judge:
         from flows.pipeline import run_pipeline
 
         spec = self.seed_spec(job)
-        progress = TrialProgress(f"{job.number} (seed +{job.seed})", spec.optim.steps, metric="eval/reward")
+        progress = seed_progress(self.sweep, job.number, job.seed, spec.optim.steps)
         started = time.perf_counter()
         try:
             result = run_pipeline(

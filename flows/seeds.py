@@ -15,7 +15,7 @@ from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
 
 from flows.stages import TrainTaskRun, Watch, finish_training, open_run
-from flows.trials.lines import TrialProgress
+from flows.trials.lines import seed_progress
 from flows.view import PipelineView, flow_run_link
 from sweeps.confirmation import SeedJob, SeedResult
 from sweeps.space import largest_lora_rank
@@ -84,7 +84,7 @@ def open_seed(judge, job: SeedJob) -> OpenSeed:
     view = PipelineView(spec.optim.steps, terminal=False, log=_Prefixed(_run_logger(), f"{name}: "))
     run = open_run(spec, view, None, judge.recorder.parent_run_id, {**judge.seed_tags(job), **flow_run_link()})
     view.stage_started("train")
-    progress = TrialProgress(f"{job.number} (seed +{job.seed})", spec.optim.steps, metric="eval/reward")
+    progress = seed_progress(judge.sweep, job.number, job.seed, spec.optim.steps)
     progress.tty = False  # several runs' lines at once: none redrawn over another's
     return OpenSeed(job, spec, run, Watch(run, view), progress, TrainTaskRun(f"trial-{job.number}-seed-{job.seed}"))
 

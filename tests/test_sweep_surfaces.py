@@ -113,3 +113,14 @@ def test_a_trial_run_carries_its_log_scaled_parameters_as_their_log_and_a_pruned
     assert done["log10/optim.learning_rate"] == pytest.approx(math.log10(study.trials[0].params["optim.learning_rate"]))
     assert "Gain/eval/reward" in done and "Gain at stop/eval/reward" not in done
     assert "Gain at stop/eval/reward" in pruned and "Gain/eval/reward" not in pruned
+
+
+def test_a_seed_runs_progress_line_shows_the_score_the_trials_lines_show(tmp_path, capsys):
+    from flows.trials.lines import seed_progress
+
+    sweep = sweep_of(tmp_path, objectives=[{"metric": "eval/accuracy", "direction": "maximize"}])
+    progress = seed_progress(sweep, 0, 1, steps=8)
+    progress.tty = False
+    progress.on_step(4, {"reward": 0.25, "eval/reward": 0.1, "eval/accuracy": 0.4})
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("trial 0 (seed +1): step 4/8, reward 0.250, eval/accuracy 0.400")  # not eval/reward

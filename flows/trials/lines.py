@@ -73,6 +73,11 @@ def progress_metric(sweep) -> str:
     return sweep.objectives[0].key if sweep.objectives[0].key.startswith("eval/") else "eval/reward"
 
 
+def seed_progress(sweep, number: int, seed: int, steps: int) -> TrialProgress:
+    """The progress line of a trial trained again with another seed: the score the trials' lines show."""
+    return TrialProgress(f"{number} (seed +{seed})", steps, metric=progress_metric(sweep))
+
+
 def sweep_line(study, sweep, elapsed: float) -> str:
     """'sweep: 4 of 10 trials done (1 pruned) in 3.2 min; best so far: trial 2, eval/reward 0.71 vs 0.61 ...'."""
     done = n_done(study)
