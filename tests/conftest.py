@@ -176,7 +176,10 @@ def postgres_database(prefix: str):
         conn.close()
 
 
-STARTS_A_PROCESS = re.compile(r"\bsubprocess\.|\bPopen\(|\bstart_processes\(|\bpexpect\.")
+# tasks.ranks.launch starts ranks as torchrun does
+STARTS_A_PROCESS = re.compile(
+    r"\bsubprocess\.|\bPopen\(|\bstart_processes\(|\bpexpect\.|\bfrom tasks\.ranks import launch\b"
+)
 
 
 def _starts_a_process(function, module) -> bool:
