@@ -6,11 +6,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 workers="${BALLAST_TEST_WORKERS:-2}"
+# Each worker, and every process a test starts (the CLI, ranks, nodes), gets its share of the cores as torch's thread
+# count: two workers with torch's default of a thread per core put 4 threads on 2 cores, and torch's small CPU kernels
+# slow down several-fold when their threads wait for a core (measured 2026-11-28, 2 cores: the unit tier 2 min 7 s ->
+# 65 s, the whole suite 31.4 -> 28.6 min, with every test passing either way). OMP_NUM_THREADS you set is kept.
+share=$(( $(nproc) / (workers > 0 ? workers : 1) ))
+parallel=(env "OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( share > 0 ? share : 1 ))}")
 if [[ "${1:-}" == "--fast" ]]; then
     shift
     python3 -m ruff check .
     python3 -m ruff format --check .
-    exec python3 -m pytest -q -n "$workers" --dist loadfile -m "not integration" --durations=10 "$@"
+    exec "${parallel[@]}" python3 -m pytest -q -n "$workers" --dist loadfile -m "not integration" --durations=10 "$@"
 fi
 bash scripts/install.sh
 python3 -m ruff check .            # lint (pyproject.toml [tool.ruff])
@@ -21,10 +27,10 @@ python3 -m ruff format --check .   # and the formatter's layout
 # a user types Ctrl-C on. Test paths or -k given as arguments run as asked, in one pytest.
 for arg in "$@"; do
     if [[ "$arg" != -* ]] || [[ "$arg" == -k ]]; then
-        exec python3 -m pytest -q -n "$workers" --dist loadfile "$@"
+        exec "${parallel[@]}" python3 -m pytest -q -n "$workers" --dist loadfile "$@"
     fi
 done
 status=0
-python3 -m pytest -q -n "$workers" --dist loadfile --ignore=tests/test_terminal.py "$@" || status=$?
+"${parallel[@]}" python3 -m pytest -q -n "$workers" --dist loadfile --ignore=tests/test_terminal.py "$@" || status=$?
 python3 -m pytest -q -n 0 tests/test_terminal.py "$@" || status=$((status ? status : $?))
 exit "$status"
