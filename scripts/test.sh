@@ -8,8 +8,8 @@ cd "$(dirname "$0")/.."
 workers="${BALLAST_TEST_WORKERS:-2}"
 # Each worker, and every process a test starts (the CLI, ranks, nodes), gets its share of the cores as torch's thread
 # count: two workers with torch's default of a thread per core put 4 threads on 2 cores, and torch's small CPU kernels
-# slow down several-fold when their threads wait for a core (measured 2026-11-28, 2 cores: the unit tier 2 min 7 s ->
-# 65 s, the whole suite 31.4 -> 28.6 min, with every test passing either way). OMP_NUM_THREADS you set is kept.
+# slow down when their threads wait for a core (measured 2026-11-28 on 2 cores: the unit tier 186 -> 88 s of CPU, the
+# whole suite 31.4 -> 28.6 min, every test passing). OMP_NUM_THREADS you set is kept.
 share=$(( $(nproc) / (workers > 0 ? workers : 1) ))
 parallel=(env "OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( share > 0 ? share : 1 ))}")
 if [[ "${1:-}" == "--fast" ]]; then
