@@ -143,6 +143,14 @@ def _check_fork(spec: ExperimentSpec) -> None:
     loads the model, runs in the flow's fork stage)."""
     if spec.fork.run_id is None and spec.fork.checkpoint is None:
         return
+    _check_local_fork_checkpoint(spec)
+    if spec.fork.run_id and not spec.tracking.uri and not (Path(spec.project_dir) / "mlflow.db").is_file():
+        # no run was ever tracked in this project: said at once, without opening (and creating) an empty store
+        raise UserError(
+            f"fork source fork.run_id={spec.fork.run_id}: project_dir {spec.project_dir} has no MLflow store "
+            "(mlflow.db) yet, so no run to fork; set project_dir to the project the run was tracked in, or "
+            "tracking.uri to its store"
+        )
     from tasks.fork import ForkError, resolve_fork
     from tasks.tracking import Tracking
 
@@ -153,6 +161,16 @@ def _check_fork(spec: ExperimentSpec) -> None:
     except (ValueError, FileNotFoundError) as e:  # the run id is not in the tracking store, the path is not there
         given = f"fork.run_id={spec.fork.run_id}" if spec.fork.run_id else f"fork.checkpoint={spec.fork.checkpoint}"
         raise UserError(f"fork source {given}: {e}") from None
+
+
+def _check_local_fork_checkpoint(spec: ExperimentSpec) -> None:
+    """A fork.checkpoint on this machine that is not there: one line at once, before torch or MLflow load."""
+    given = spec.fork.checkpoint
+    if given is not None and "://" not in str(given) and not Path(given).is_dir():
+        raise UserError(
+            f"fork source fork.checkpoint={given}: no such directory; give a checkpoint step directory "
+            "(runs/RUN/checkpoints/step-NNNNNN) or an s3:// URI"
+        )
 
 
 def cmd_validate(args) -> int:
@@ -369,12 +387,15 @@ def _print_result(result, project_dir: str) -> None:
 
 
 def cmd_train(args) -> int:
-    from tasks.spec import check_runnable, dump_spec, load_spec
+    from tasks.spec import check_runnable, check_trainable_alone, dump_spec, load_spec
 
     if args.steps is not None and args.steps < 1:
         raise UserError(f"--steps {args.steps}: give the run's total number of steps, 1 or more")
     spec = load_spec(args.spec, args.set + ([f"optim.steps={args.steps}"] if args.steps is not None else []))
     check_runnable(spec, here=True)  # the trainer alone runs on this machine, whatever infra.compute says
+    check_trainable_alone(spec)  # fork.run_id: no tracking store here to find the run in
+    if not args.resume:
+        _check_local_fork_checkpoint(spec)  # before the run directory's checks load torch
     nproc = getattr(args, "nproc", 1)
     if nproc != 1:
         from tasks.ranks import check_ranks
@@ -450,7 +471,7 @@ def _train_fork(spec: ExperimentSpec):
     from tasks.train import fork_alone
 
     if spec.fork.checkpoint is None or spec.fork.run_id is not None:
-        return fork_alone(spec)  # the base model, or fork.run_id refused (no tracking store here): nothing loads
+        return fork_alone(spec)  # the base model: nothing loads
     try:
         return resolve_fork(spec, None)
     except FileNotFoundError as e:

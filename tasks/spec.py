@@ -363,6 +363,16 @@ def check_runnable(spec: ExperimentSpec, here: bool = False) -> None:
         raise SpecError(str(e)) from None
 
 
+def check_trainable_alone(spec: ExperimentSpec) -> None:
+    """`ballast train` runs the trainer with no tracking store, so a fork named by an MLflow run id cannot be found:
+    refused with the spec, before torch loads (a fork.checkpoint is what it takes)."""
+    if spec.fork.run_id:
+        raise SpecError(
+            f"fork.run_id={spec.fork.run_id}: `ballast train` has no tracking store to find a run's "
+            "checkpoints in; give fork.checkpoint (a checkpoint directory or s3:// URI), or use ballast run"
+        )
+
+
 def describe_run(spec: ExperimentSpec) -> list[str]:
     """What a checked spec will run, in a few lines (`ballast validate`, `ballast run --dryrun`): the model and where
     it comes from, the data, the rewards and what eval/accuracy reads, the training batch."""

@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.fork import ForkError, ForkSource, fork
+from tasks.fork import ForkSource, fork
 from tasks.results import TrainOutcome
-from tasks.spec import ExperimentSpec
+from tasks.spec import ExperimentSpec, check_trainable_alone
 from trainer.loop import Callbacks, GRPOTrainer, RunResult, check_resume
 from trainer.model import ensure_model
 from trainer.multi import ConcurrentTrials, TrialJob, TrialOutcome
@@ -89,12 +89,7 @@ def check_resumable(spec: ExperimentSpec, output_dir: Path) -> Path | None:
 def fork_alone(spec: ExperimentSpec) -> ForkSource:
     """Where `ballast train` starts: the base model, or `fork.checkpoint` fetched and verified as for a pipeline
     run. `fork.run_id` names a run in the tracking store, which the trainer alone does not open."""
-    if spec.fork.run_id:
-        raise ForkError(
-            f"fork.run_id={spec.fork.run_id}: `ballast train` has no tracking store to find a run's "
-            "checkpoints in; give fork.checkpoint (a checkpoint directory or s3:// URI), "
-            "or use ballast run"
-        )
+    check_trainable_alone(spec)
     return fork(spec, checkpoint_prefix_of=None)
 
 

@@ -95,10 +95,17 @@ CASES = [
         put("rewards", [{"name": "exact_answer"}, {"name": "tests.reward_fixtures:raises_on_call"}]),
     ),
     Case(
-        "a fork from an unknown run id",
-        "fork.run_id=0123456789abcdef",
+        "a fork from a run id in a project that has tracked nothing",
+        "fork.run_id=0123456789abcdef: project_dir",
         put("fork.run_id", "0123456789abcdef"),
         args=("run", "{spec}"),
+    ),
+    Case(
+        "a fork from a run id the project's store does not hold",
+        "fork.run_id=0123456789abcdef: MLflow run '0123456789abcdef' was not found in sqlite:///",
+        put("fork.run_id", "0123456789abcdef"),
+        args=("run", "{spec}"),
+        files={"project/mlflow.db": ""},  # an empty SQLite file: MLflow makes it a store with no runs
     ),
     Case("a duplicate top-level section", "key 'optim' appears twice", raw="{spec}optim:\n  steps: 3\n"),
     Case(
