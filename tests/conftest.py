@@ -144,9 +144,12 @@ def set_chat_template(path: Path, template: str) -> None:
 PG = "postgresql://postgres@127.0.0.1:5432"  # the machine's PostgreSQL, trust auth
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def prefect_api():
-    """Prefect's test harness (a temporary API server and database) for a module; yields its API URL."""
+    """Prefect's test harness (a temporary API server and database), one per test process (each xdist worker):
+    started by the first test that asks for it (~9 s of a server's start on 2 cores), kept to the end. Tests that
+    read flow runs back filter them by what they ran (a flow name and a study), never count the whole API's.
+    Yields its API URL."""
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 

@@ -36,11 +36,8 @@ WAIT_S = 600  # the most any wait here lasts (a server start, a model load, a ru
 
 
 @pytest.fixture(scope="module")
-def prefect():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=300):
-        yield
+def prefect(prefect_api):
+    return prefect_api  # the test process's harness (tests/conftest.py); the outages here are MLflow's and S3's
 
 
 def wait_for(condition, what: str, timeout: float = WAIT_S):

@@ -22,11 +22,8 @@ STAGES = {"fork", "train", "checkpoint", "artifact-probe", "eval"}
 
 
 @pytest.fixture(scope="module")
-def prefect():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+def prefect(prefect_api):
+    return prefect_api  # the test process's harness (tests/conftest.py)
 
 
 def pipeline_spec(tiny_model, project, **sections):

@@ -36,15 +36,12 @@ def smollm2_spec(model_path, project) -> dict:
 
 
 @pytest.fixture(scope="module")
-def pipeline_run(smollm2, tmp_path_factory):
-    from prefect.testing.utilities import prefect_test_harness
-
+def pipeline_run(smollm2, tmp_path_factory, prefect_api):
     from flows.pipeline import ballast_pipeline
 
     project = tmp_path_factory.mktemp("smollm2-project")
-    with prefect_test_harness(server_startup_timeout=120):
-        state = ballast_pipeline(smollm2_spec(smollm2, project), return_state=True)
-        result = state.result(raise_on_failure=False)
+    state = ballast_pipeline(smollm2_spec(smollm2, project), return_state=True)
+    result = state.result(raise_on_failure=False)
     assert state.is_completed(), result
     return project, result
 
