@@ -470,7 +470,7 @@ def _train_fork(spec: ExperimentSpec):
     from tasks.fork import resolve_fork
     from tasks.train import fork_alone
 
-    if spec.fork.checkpoint is None or spec.fork.run_id is not None:
+    if spec.fork.checkpoint is None:  # (fork.run_id was refused by check_trainable_alone)
         return fork_alone(spec)  # the base model: nothing loads
     try:
         return resolve_fork(spec, None)
