@@ -14,7 +14,10 @@ start one as a plain child. The choices, on purpose:
   sets PREFECT_API_URL before Prefect is imported, and `wait_until_started()` waits for its health check only when a
   flow is about to run, so the start overlaps the imports of torch, transformers and MLflow and the model build.
 - **Quiet.** The server's background services have nothing to do for one process with no deployments or schedules,
-  and only take CPU from training (a quickstart step ran 5-10 % slower with them on), so they are off.
+  and only take CPU from training (a quickstart step ran 5-10 % slower with them on), so they are off. Its output
+  goes to `<PREFECT_HOME>/server.log`, not the terminal: stopped at exit while a request is in flight, the server's
+  database pool logs a CancelledError traceback that said nothing to the user and followed a Ctrl-C's one line (a
+  start that fails quotes the log's end).
 
 `embedded()` says whether the API is this embedded one (the CLI then prints how to open the UIs on the project's
 stores); with PREFECT_API_URL set by the user nothing is started.
@@ -58,6 +61,7 @@ DIE_WITH_PARENT = (
     "os.execv(sys.argv[2], sys.argv[2:])\n"
 )
 
+SERVER_LOG = "server.log"  # under PREFECT_HOME
 _server: subprocess.Popen | None = None
 
 
@@ -89,7 +93,12 @@ def prestart(project_dir: str) -> None:
         return
     port = free_port()
     server_env = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
-    _server = spawn_in_own_session(uvicorn_argv(port), env={**os.environ, **server_env})
+    home = Path(os.environ["PREFECT_HOME"]).expanduser()
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / SERVER_LOG, "ab") as log:  # the child holds its own copy of the file
+        _server = spawn_in_own_session(
+            uvicorn_argv(port), env={**os.environ, **server_env}, stdout=log, stderr=subprocess.STDOUT
+        )
     atexit.register(stop)
     os.environ["PREFECT_API_URL"] = os.environ[EMBEDDED] = f"http://127.0.0.1:{port}/api"
 
@@ -147,9 +156,12 @@ def wait_until_started(timeout: float = STARTUP_TIMEOUT_S) -> None:
     url, deadline = os.environ[EMBEDDED] + "/health", time.monotonic() + timeout
     while time.monotonic() < deadline:
         if _server.poll() is not None:
+            log = Path(os.environ["PREFECT_HOME"]).expanduser() / SERVER_LOG
+            said = " ".join(log.read_text(errors="replace").split()[-60:]) if log.exists() else ""
             raise RuntimeError(
                 f"the embedded Prefect API server exited with status {_server.returncode} before answering "
-                f"(its output is above); set PREFECT_API_URL to a running Prefect server instead"
+                f"(its log, {log}, ends: {said[-600:] or 'empty'}); set PREFECT_API_URL to a running Prefect server "
+                f"instead"
             )
         try:
             with urllib.request.urlopen(url, timeout=2) as answer:

@@ -10,6 +10,8 @@ A pruned trial leaves and the next takes its slot; the others are unmoved.
 
 import json
 import math
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -155,6 +157,40 @@ def test_a_pruned_trial_leaves_its_slot_and_the_others_are_unmoved(tiny_model, t
     assert_same_run(tmp_path / "a", alone["a"], 1, exact=True)  # its one step is still a lone run's first
     for name in ("b", "c"):
         assert_same_run(tmp_path / name, alone[name], TRIALS[name]["optim"]["steps"], exact=False)
+
+
+class SignalAfterRecording(Callbacks):
+    """Sends this process SIGINT from inside a step's record (after the loop read its stop reason): the moment a
+    Ctrl-C lands between one round's last record and the next round."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step(self, step, metrics):
+        if step == self.step:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_a_signal_after_a_rounds_last_record_stops_every_running_trial_at_its_next_step_and_starts_none(
+    tiny_model, tmp_path
+):
+    """Ctrl-C landing after the last running trial recorded its step (so no trial saw it then): every running trial
+    still ends — its next step finished and checkpointed, its outcome given to on_end as interrupted — and no waiting
+    trial starts. (It once left the loop with the trials un-ended: a sweep then waited forever on trials it held.)"""
+    ended = []
+    jobs = (
+        TrialJob(
+            name, trial_cfg(tiny_model, name), tmp_path / name, callbacks=[SignalAfterRecording(1)] * (name == "b")
+        )
+        for name in TRIALS
+    )
+    outcomes = ConcurrentTrials(slots=2).run(jobs, on_end=lambda outcome, trainer: ended.append(outcome.job.name))
+    assert ended == [o.job.name for o in outcomes] == ["a", "b"]  # c never started
+    for o in outcomes:
+        assert o.error is None
+        assert (o.result.last_step, o.result.stopped, o.result.interrupted) == (2, "interrupted: SIGINT", "SIGINT")
+        assert o.result.last_checkpoint.name == "step-000002"
+    assert not (tmp_path / "c").exists()
 
 
 def test_a_trial_with_another_base_model_is_refused_naming_the_field(tiny_model):

@@ -362,3 +362,31 @@ def test_store_that_stays_away_ends_the_run_naming_each_checkpoint_not_uploaded_
         "step-000004",
         "step-000006",
     ]
+
+
+def test_the_embedded_prefect_server_writes_to_its_log_not_the_terminal_and_a_failed_start_quotes_it(tmp_path):
+    """The server Ballast starts writes under PREFECT_HOME (server.log), so nothing it prints at exit — its database
+    pool's CancelledError traceback when stopped mid-request — lands after a Ctrl-C's one line; a start that fails
+    names the log and quotes its end. Here the server command is one that prints and exits 3."""
+    script = (
+        "import sys\n"
+        "from flows import runtime\n"
+        "runtime.uvicorn_argv = lambda port: [sys.executable, '-c', "
+        "'import sys; print(\"Traceback: the database is locked\", file=sys.stderr); sys.exit(3)']\n"
+        "runtime.prestart(sys.argv[1])\n"
+        "try:\n"
+        "    runtime.wait_until_started(timeout=60)\n"
+        "except RuntimeError as e:\n"
+        "    print(e)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    log = tmp_path / "prefect" / "server.log"
+    assert done.stderr == ""  # nothing of the server's reached the terminal
+    assert log.read_text().strip() == "Traceback: the database is locked"
+    assert done.stdout.strip() == (
+        f"the embedded Prefect API server exited with status 3 before answering (its log, {log}, ends: Traceback: "
+        f"the database is locked); set PREFECT_API_URL to a running Prefect server instead"
+    )

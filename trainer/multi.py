@@ -312,9 +312,8 @@ class ConcurrentTrials:
                     ended = self._train_step(trial, batches[trial.adapter], t0, safe_point)
                     if ended is not None:
                         self._end(trial, running, outcomes, on_end, **ended)
-                if safe_point.received:
-                    break
-                self._fill(pending, running, outcomes, on_end)
+                if not safe_point.received:  # after a signal no trial starts; each running one stops at its next
+                    self._fill(pending, running, outcomes, on_end)  # step's end (record_step), checkpoint saved
         return outcomes
 
     def _train_step(self, trial: _Trial, batch, t0: float, safe_point: SafePoint) -> dict | None:
