@@ -16,7 +16,7 @@ if [[ "${1:-}" == "--fast" ]]; then
     shift
     python3 -m ruff check .
     python3 -m ruff format --check .
-    exec "${parallel[@]}" python3 -m pytest -q -n "$workers" --dist loadfile -m "not integration" --durations=10 "$@"
+    exec "${parallel[@]}" python3 -m pytest -q -n "$workers" --dist loadfile --no-loadscope-reorder -m "not integration" --durations=10 "$@"
 fi
 bash scripts/install.sh
 python3 -m ruff check .            # lint (pyproject.toml [tool.ruff])
@@ -27,10 +27,10 @@ python3 -m ruff format --check .   # and the formatter's layout
 # a user types Ctrl-C on. Test paths or -k given as arguments run as asked, in one pytest.
 for arg in "$@"; do
     if [[ "$arg" != -* ]] || [[ "$arg" == -k ]]; then
-        exec "${parallel[@]}" python3 -m pytest -q -n "$workers" --dist loadfile "$@"
+        exec "${parallel[@]}" python3 -m pytest -q -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
     fi
 done
 status=0
-"${parallel[@]}" python3 -m pytest -q -n "$workers" --dist loadfile --ignore=tests/test_terminal.py "$@" || status=$?
+"${parallel[@]}" python3 -m pytest -q -n "$workers" --dist loadfile --no-loadscope-reorder --ignore=tests/test_terminal.py "$@" || status=$?
 python3 -m pytest -q -n 0 tests/test_terminal.py "$@" || status=$((status ? status : $?))
 exit "$status"

@@ -8,6 +8,7 @@ lies (tests never write into it).
 import ast
 import inspect
 import json
+import os
 import re
 import shutil
 import textwrap
@@ -206,3 +207,42 @@ def pytest_collection_modifyitems(config, items):
             or _starts_a_process(getattr(item, "function", None), item.module)
         ):
             item.add_marker(pytest.mark.integration)
+    _longest_first(items)
+
+
+# ── the order the files run in ────────────────────────────────────────────────────────────────────
+# Two workers take whole files (--dist loadfile) as they free up, so a long file taken last leaves the other worker
+# idle to the end. tests/test_costs.json holds each file's seconds (setup, call and teardown of its tests) as
+# measured on 2 cores; the files run longest first — a file the table does not know before all of them — which
+# scripts/test.sh keeps with --no-loadscope-reorder (xdist otherwise orders the files by their number of tests).
+# `BALLAST_RECORD_TEST_COSTS=1 bash scripts/test.sh` writes the run's figures into the table.
+TEST_COSTS = Path(__file__).with_name("test_costs.json")
+_spent: dict[str, float] = {}
+
+
+def _file_of(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
+def _longest_first(items: list) -> None:
+    costs = json.loads(TEST_COSTS.read_text()) if TEST_COSTS.exists() else {}
+    first_seen: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(_file_of(item.nodeid), i)
+    unknown = float("inf")
+    items.sort(key=lambda item: (-costs.get(_file_of(item.nodeid), unknown), first_seen[_file_of(item.nodeid)]))
+
+
+def pytest_runtest_logreport(report):
+    if os.environ.get("BALLAST_RECORD_TEST_COSTS"):
+        _spent[_file_of(report.nodeid)] = _spent.get(_file_of(report.nodeid), 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    """With BALLAST_RECORD_TEST_COSTS set, this run's seconds per file into tests/test_costs.json (the controller
+    process writes it: it hears every worker's reports)."""
+    if not _spent or hasattr(session.config, "workerinput"):
+        return
+    costs = json.loads(TEST_COSTS.read_text()) if TEST_COSTS.exists() else {}
+    costs.update({name: round(seconds, 1) for name, seconds in _spent.items()})
+    TEST_COSTS.write_text(json.dumps(dict(sorted(costs.items(), key=lambda kv: -kv[1])), indent=1) + "\n")
