@@ -26,7 +26,7 @@ import re
 import shutil
 import uuid
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
@@ -46,7 +46,9 @@ DELETE_BATCH = 1000  # the most keys one DeleteObjects request accepts
 class S3Settings:
     """How the client retries and times out, and when transfers go multipart."""
 
-    max_retries: int = 4  # retries after the first attempt (botocore's Config "max_attempts")
+    # retries after the first attempt (botocore's Config "max_attempts"); AWS_MAX_ATTEMPTS, the AWS tools' setting
+    # of all attempts, first included, is honoured when set (an explicit Config would otherwise override it)
+    max_retries: int = field(default_factory=lambda: _aws_max_attempts() - 1)
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 60.0
     multipart_threshold: int = 64 * MiB  # files at least this large are sent in parts
@@ -54,6 +56,18 @@ class S3Settings:
     max_concurrency: int = 8  # parts in flight at once for one file
     check_retries: int = 1  # `check()` at the start of a run: a dead endpoint must fail it within seconds
     check_timeout_s: float = 5.0  # connect and read timeout of that check (worst case ~2 x 2 x 5 s + backoff)
+
+
+def _aws_max_attempts(default: int = 5) -> int:
+    """AWS_MAX_ATTEMPTS (all attempts, the first included) when set, else `default`."""
+    given = os.environ.get("AWS_MAX_ATTEMPTS", "").strip()
+    if not given:
+        return default
+    if not given.isdigit() or int(given) < 1:
+        raise ValueError(
+            f"AWS_MAX_ATTEMPTS={given!r}: not a whole number of attempts >= 1; set it to e.g. 5, or unset it"
+        )
+    return int(given)
 
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:

@@ -338,8 +338,9 @@ def test_store_outage_mid_run_keeps_training_and_uploads_the_waiting_checkpoint_
 
 
 def test_store_that_stays_away_ends_the_run_naming_each_checkpoint_not_uploaded_and_ballast_sync_uploads_them(
-    tiny_model, tmp_path, prefect, s3_endpoint
+    tiny_model, tmp_path, prefect, s3_endpoint, monkeypatch
 ):
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")  # what stays away stays away: 1 retry, not botocore's backoff of 4
     endpoint, bucket = s3_endpoint
     project = tmp_path / "p"
     state, error = run(

@@ -295,6 +295,23 @@ def test_unreachable_endpoint_raises_store_unavailable_naming_it(via, monkeypatc
         store.list_dirs("")
 
 
+def test_aws_max_attempts_sets_the_retries_and_a_bad_value_is_named(monkeypatch, checkpoint):
+    """AWS_MAX_ATTEMPTS, the AWS tools' count of all attempts, is honoured (Ballast's explicit botocore Config would
+    otherwise override it): 2 attempts are 1 retry, said in the error; a value that is no count is refused naming it."""
+    _point_aws_at(monkeypatch, "http://127.0.0.1:1")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    assert S3Settings().max_retries == 1
+    assert s3_client(settings=S3Settings()).meta.config.retries["total_max_attempts"] == 2
+    store = open_store("s3://bucket/runs", settings=S3Settings(connect_timeout_s=1, read_timeout_s=1))
+    with pytest.raises(StoreUnavailable, match=r"\(EndpointConnectionError, 1 retries\)"):
+        store.list_dirs("")
+    monkeypatch.delenv("AWS_MAX_ATTEMPTS")
+    assert S3Settings().max_retries == 4
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "many")
+    with pytest.raises(ValueError, match=r"^AWS_MAX_ATTEMPTS='many': not a whole number of attempts >= 1; set it"):
+        S3Settings()
+
+
 def test_missing_bucket_raises_bucket_not_found_naming_it(moto_server, checkpoint):
     store = open_store("s3://ballast-no-such-bucket/runs")
 
