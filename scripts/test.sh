@@ -21,7 +21,8 @@ fi
 bash scripts/install.sh
 python3 -m ruff check .            # lint (pyproject.toml [tool.ruff])
 python3 -m ruff format --check .   # and the formatter's layout
-# Two test files at a time (pytest-xdist, a file per worker so its module fixtures load once): about 21 minutes on
+# Two test files at a time (pytest-xdist, a file per worker so its module fixtures load once; the longest files first,
+# tests/conftest.py and tests/test_costs.json; 22 min 31 s in all, measured 2026-11-28 on an idle 2-core machine): about 21 minutes on
 # 2 cores instead of about 35 one at a time (BALLAST_TEST_WORKERS=0). The terminal tests (a real pty, Ctrl-C, and
 # how long a stop takes) run after the others, alone: a machine busy with two other test files is not the machine
 # a user types Ctrl-C on. Test paths or -k given as arguments run as asked, in one pytest.
