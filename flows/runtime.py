@@ -61,8 +61,12 @@ DIE_WITH_PARENT = (
     "os.execv(sys.argv[2], sys.argv[2:])\n"
 )
 
-SERVER_LOG = "server.log"  # under PREFECT_HOME
 _server: subprocess.Popen | None = None
+
+
+def server_log() -> Path:
+    """Where the embedded server writes its output: PREFECT_HOME/server.log."""
+    return Path(os.environ["PREFECT_HOME"]).expanduser() / "server.log"
 
 
 def configure(project_dir: str) -> None:
@@ -93,9 +97,8 @@ def prestart(project_dir: str) -> None:
         return
     port = free_port()
     server_env = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
-    home = Path(os.environ["PREFECT_HOME"]).expanduser()
-    home.mkdir(parents=True, exist_ok=True)
-    with open(home / SERVER_LOG, "ab") as log:  # the child holds its own copy of the file
+    server_log().parent.mkdir(parents=True, exist_ok=True)
+    with open(server_log(), "ab") as log:  # the child holds its own copy of the file
         _server = spawn_in_own_session(
             uvicorn_argv(port), env={**os.environ, **server_env}, stdout=log, stderr=subprocess.STDOUT
         )
@@ -156,7 +159,7 @@ def wait_until_started(timeout: float = STARTUP_TIMEOUT_S) -> None:
     url, deadline = os.environ[EMBEDDED] + "/health", time.monotonic() + timeout
     while time.monotonic() < deadline:
         if _server.poll() is not None:
-            log = Path(os.environ["PREFECT_HOME"]).expanduser() / SERVER_LOG
+            log = server_log()
             said = " ".join(log.read_text(errors="replace").split()[-60:]) if log.exists() else ""
             raise RuntimeError(
                 f"the embedded Prefect API server exited with status {_server.returncode} before answering "
