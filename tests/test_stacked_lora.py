@@ -1,11 +1,14 @@
 """Stacked LoRA with a per-row slot (trainer/engines/stacked.py): several adapters in one forward, as tensor code.
 
 On the tiny model with three adapters of different ranks, alphas and targets, in fp32 on CPU: the stacked forward
-equals peft's per-row forward (`adapter_names`) within 1e-5 whatever the rows' order; a refresh after an optimizer
+equals peft's per-row forward (`adapter_names`) within 1e-5 whatever the rows' order, or within what this CPU's fp32
+rounding allows where that is more (`logits_bound`); a refresh after an optimizer
 step brings the stacked weights up to date in place (the tensors do not move, so a CUDA graph over them stays
 valid); the HF engine's stacked path samples what peft's per-row path samples; and through the compiled decode with
 the draw inside the step (fused_sampling), trials decoded together equal each trial decoded alone.
 """
+
+import copy
 
 import pytest
 import torch
@@ -18,14 +21,13 @@ from trainer.engines.hf import HFEngine
 from trainer.engines.stacked import StackedLora, stacked_for
 from trainer.multi import SharedPolicy
 
-LOGITS = 1e-5  # stacked vs peft per-row forward, fp32: the same products summed in another order
+LOGITS = 1e-5  # stacked vs peft per-row forward, fp32: the same products summed in another order (the issue's figure)
 
 
-def logprob_bound(temperature: float) -> float:
-    """What LOGITS allows a sampled token's logprob, log_softmax(logits / T)[token]: its logit and the logsumexp each
-    move by at most LOGITS / T. The bound, not a margin: 1e-5 flat was the logits' figure, and on an AMD EPYC the
-    z rows (T 0.7) landed at 1.1e-5."""
-    return 2 * LOGITS / temperature
+def logprob_bound(temperature: float, logits: float) -> float:
+    """What a bound on the logits allows a sampled token's logprob, log_softmax(logits / T)[token]: its logit and the
+    logsumexp each move by at most logits / T."""
+    return 2 * logits / temperature
 
 
 ADAPTERS = {  # name: (rank, alpha, targets)
@@ -45,6 +47,25 @@ def shared(tiny_model):
     return shared
 
 
+@pytest.fixture(scope="module")
+def logits_bound(shared) -> float:
+    """How far the stacked forward may be from peft's per-row forward on this CPU: 1e-5, or twice peft's own fp32
+    rounding error (its largest distance from the same forward in fp64) where that is more. Both are fp32 evaluations
+    of one function that differ only in the order of sums, so each lands within about that error of the exact
+    value, and the two within twice it. The error is the CPU's: ~4-6e-6 here on AVX-512, AVX2 and plain kernels
+    (the stacked forward's own from 0.8x to 1.6x it over 54 seeds and row orders); on CI's CPU the two forwards
+    differed by 1.0014e-5, which a flat 1e-5 refused."""
+    names = ["x", "y", "z", "x", "y", "z"]
+    ids, mask = batch(shared.tokenizer, 6)
+    exact = copy.deepcopy(shared.model).double()
+    with torch.no_grad():
+        want = exact(input_ids=ids, attention_mask=mask, adapter_names=names).logits
+        peft = shared.model(input_ids=ids, attention_mask=mask, adapter_names=names).logits
+    rounding = (peft.double() - want).abs().max().item()
+    assert 0 < rounding < 1e-4  # fp32 rounding of logits of ~10, not a different computation
+    return max(LOGITS, 2 * rounding)
+
+
 def batch(tokenizer, n: int):
     prompts = [render_prompt(tokenizer, q) for q in ("12+34", "7+58", "40+41", "3+3", "99+1", "5+60")][:n]
     width = max(map(len, prompts))
@@ -57,7 +78,7 @@ def stacked_logits(model, stack: StackedLora, names, ids, mask):
         return model(input_ids=ids, attention_mask=mask).logits
 
 
-def test_the_stacked_forward_equals_peft_per_row_forward_in_any_row_order(shared):
+def test_the_stacked_forward_equals_peft_per_row_forward_in_any_row_order(shared, logits_bound):
     model = shared.model
     ids, mask = batch(shared.tokenizer, 6)
     stack = stacked_for(None, model, list(ADAPTERS))
@@ -66,13 +87,13 @@ def test_the_stacked_forward_equals_peft_per_row_forward_in_any_row_order(shared
         with torch.no_grad():
             want = model(input_ids=ids, attention_mask=mask, adapter_names=names).logits
         got = stacked_logits(model, stack, names, ids, mask)
-        assert (got - want).abs().max() <= LOGITS, names
+        assert (got - want).abs().max() <= logits_bound, names
     with torch.no_grad():  # the adapters matter: the stacked rows are not the base model's
         base = model(input_ids=ids, attention_mask=mask, adapter_names=["__base__"] * 6).logits
     assert (stacked_logits(model, stack, ["y"] * 6, ids, mask) - base).abs().max() > 1e-2
 
 
-def test_a_refresh_after_an_optimizer_step_brings_the_stack_up_to_date_in_place(shared):
+def test_a_refresh_after_an_optimizer_step_brings_the_stack_up_to_date_in_place(shared, logits_bound):
     model = shared.model
     ids, mask = batch(shared.tokenizer, 4)
     names = ["x", "y", "x", "y"]
@@ -93,7 +114,7 @@ def test_a_refresh_after_an_optimizer_step_brings_the_stack_up_to_date_in_place(
     assert stacked_for(stack, model, ["x", "y"]) is stack  # the same stack, refreshed
     assert [(s.a.data_ptr(), s.b.data_ptr(), s.scale.data_ptr()) for s in stack.stacks] == addresses
     fresh = (stacked_logits(model, stack, names, ids, mask) - want).abs().max()
-    assert fresh <= LOGITS
+    assert fresh <= logits_bound
 
 
 def test_a_new_adapter_takes_a_free_slot_and_the_others_keep_theirs(shared):
@@ -105,7 +126,7 @@ def test_a_new_adapter_takes_a_free_slot_and_the_others_keep_theirs(shared):
     assert stacked_for(stack, model, ["x", "y", "z"]) is stack and stack.names == ["z", "y", "x"]
 
 
-def test_the_engines_stacked_path_samples_what_peft_per_row_path_samples(shared):
+def test_the_engines_stacked_path_samples_what_peft_per_row_path_samples(shared, logits_bound):
     prompts = [render_prompt(shared.tokenizer, q) for q in ("12+34", "7+58", "40+41")]
     x = SamplingParams(n=2, max_tokens=12, seeds=[11, 12, 13])
     z = SamplingParams(n=3, max_tokens=12, temperature=0.7, repetition_penalty=1.3, seeds=[21, 22])
@@ -115,13 +136,13 @@ def test_the_engines_stacked_path_samples_what_peft_per_row_path_samples(shared)
     got = stacked.generate_many(requests)
     assert stacked.stacked is not None and set(stacked.stacked.names) == {"x", "y", "z"}
     assert tokens(got) == tokens(peft_rows)
-    assert max_logprob_difference(got, peft_rows) <= logprob_bound(min(x.temperature, z.temperature))
+    assert max_logprob_difference(got, peft_rows) <= logprob_bound(min(x.temperature, z.temperature), logits_bound)
 
 
-def test_trials_decoded_together_in_the_compiled_stacked_step_equal_each_alone(shared):
+def test_trials_decoded_together_in_the_compiled_stacked_step_equal_each_alone(shared, logits_bound):
     """The fused, compiled decode (one graph per token, the draw inside it) with each row under its own adapter: the
     tokens of each trial's rows are those it samples alone under its adapter (peft's ordinary forward, the same
-    compiled step), logprobs within what 1e-5 on the logits allows. Two compiles (~2 min on 2 cores)."""
+    compiled step), logprobs within what `logits_bound` on the logits allows. Two compiles (~2 min on 2 cores)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -139,7 +160,7 @@ def test_trials_decoded_together_in_the_compiled_stacked_step_equal_each_alone(s
         model.set_adapter(name)
         alone.append(engine.generate(prompts, params))
     assert tokens(together) == tokens(alone)
-    assert max_logprob_difference(together, alone) <= logprob_bound(min(px.temperature, py.temperature))
+    assert max_logprob_difference(together, alone) <= logprob_bound(min(px.temperature, py.temperature), logits_bound)
     assert len({tuple(t) for request in tokens(together) for group in request for t in group}) > 2
 
 
