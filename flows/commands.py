@@ -296,11 +296,13 @@ def _run_pipeline(project_dir: str, spec: str, overrides: list[str], resume_run_
     runtime.prestart(project_dir)
     _check_store(checked)
     from flows.pipeline import run_pipeline  # torch, transformers, MLflow: imported while the server starts
+    from flows.trials.interrupts import signal_crashes_unsaid
     from tasks.results import RunInterrupted
 
     runtime.wait_until_started()
     try:
-        result = run_pipeline(spec, overrides, resume_run_id)
+        with signal_crashes_unsaid():
+            result = run_pipeline(spec, overrides, resume_run_id)
     except RunInterrupted as stop:  # SIGTERM or Ctrl-C: one line with the run and how to resume it
         print(stop, file=sys.stderr)
         return stop.exit_code

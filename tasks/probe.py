@@ -50,7 +50,7 @@ from transformers import AutoTokenizer
 from tasks.checkpoint import fetch_checkpoint
 from tasks.results import CI_LEVEL, Baseline, Check, ProbeReport, ProbeSample, PromptResult
 from tasks.spec import ProbeConfig
-from trainer.checkpoint import Checkpoint, CheckpointError
+from trainer.checkpoint import Checkpoint, CheckpointError, fault_point
 from trainer.config import DataConfig, LoraConfig, ModelConfig, RewardConfig
 from trainer.data import jsonl_rows, load_datasets, render_prompt
 from trainer.engines.base import SamplingParams
@@ -376,6 +376,7 @@ def probe_checkpoint(
     started = time.perf_counter()
     cache_dir = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE
     checkpoint = _open(checkpoint_uri, cache_dir)
+    fault_point("hold-in-probe", checkpoint.step)  # the signal tests' way to land a signal in the probe
     trained_data, trained_rewards = trained_sections(checkpoint)
     data, rewards = data or trained_data, rewards if rewards is not None else trained_rewards
     prompts, prompt_source = choose_prompts(cfg, data)

@@ -57,7 +57,15 @@ from tasks.fork import ForkSource
 from tasks.metrics_sink import PENDING, RECORD, Held, MetricsSink, now_ms, read_rows, step_metrics, sync_record
 from tasks.regression import RegressionResult
 from tasks.report import plot_history, write_run_report
-from tasks.results import PipelineResult, ProbeReport, RunInterrupted, RunStatus, StopReason, TrainOutcome
+from tasks.results import (
+    PipelineResult,
+    ProbeReport,
+    RunInterrupted,
+    RunStatus,
+    StopReason,
+    TrainOutcome,
+    resume_command,
+)
 from tasks.spec import ExperimentSpec, dump_spec, flat_params, spec_hash
 from tasks.tracking import GAIN_TAG, SWEPT_TAG, TAG, Tracking, run_name, store_uri, user_name
 from trainer.checkpoint import Checkpoint, code_ref, list_checkpoints, step_dir_name
@@ -121,6 +129,7 @@ class RunRecorder:
         self.prefect_url: str | None = None  # the Prefect flow run recording this attempt, linked in the description
         self.started = time.perf_counter()
         self.stage_run: str | None = None  # the MLflow run of the stage being recorded (`stage`)
+        self.signalled_stage = "train"  # the stage a signal stopped (`interrupted` says where the run stopped)
         self.flat_stages = False  # a sweep trial's run: stages record onto the run itself (start())
         self.probe_reports: list[ProbeReport] = []
         self.name = self.client.get_run(run_id).info.run_name or run_id
@@ -327,6 +336,7 @@ class RunRecorder:
             self.client.set_tag(self.stage_run, "ballast.error", f"{type(e).__name__}: {e}"[:4000])
             self.client.set_terminated(self.stage_run, "KILLED" if interrupted else "FAILED")
             if interrupted:
+                self.signalled_stage = name
                 raise
             raise StageError(name, e) from e
         else:
@@ -345,6 +355,7 @@ class RunRecorder:
             interrupted = isinstance(e, RunInterrupted) or not isinstance(e, Exception)
             self.tracking.set_tags(self.run_id, {"failed_stage": name, "error": f"{type(e).__name__}: {e}"[:4000]})
             if interrupted:
+                self.signalled_stage = name
                 raise
             raise StageError(name, e) from e
         finally:
@@ -439,7 +450,7 @@ class RunRecorder:
             return  # the server is away: nothing can be recorded
         ending = (
             f"**Ended: failed.** {error}\n\nCheckpoints saved so far are kept; continue with "
-            f"`ballast run --resume {self.run_id}`."
+            f"`{resume_command(self.run_id, self.spec.project_dir)}`."
         )
         self.tracking.set_tags(
             self.run_id,
@@ -452,9 +463,9 @@ class RunRecorder:
         stop = (
             error
             if isinstance(error, RunInterrupted)
-            else RunInterrupted.of(error, list_checkpoints(self.output_dir / "checkpoints"))
+            else RunInterrupted.of(error, list_checkpoints(self.output_dir / "checkpoints"), self.signalled_stage)
         )
-        stop.run, stop.resume = f"run {self.run_id}", f"ballast run --resume {self.run_id}"
+        stop.run, stop.resume = f"run {self.run_id}", resume_command(self.run_id, self.spec.project_dir)
         try:
             self.metrics.close()
         except Exception:

@@ -16,6 +16,7 @@ sweep all read the same objects (tasks/record.py records each):
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -49,6 +50,13 @@ class TrainOutcome:
             raise RunInterrupted(self.interrupted, self.last_step, self.last_checkpoint)
 
 
+def resume_command(run_id: str, project_dir: str | Path) -> str:
+    """The command that continues run `run_id`: `ballast run --resume RUN_ID`, with the run's --project-dir when it
+    is not the default (.ballast in the working directory), where --resume would not find it."""
+    default = Path(".ballast").resolve() == Path(project_dir).resolve()
+    return f"ballast run --resume {run_id}" + ("" if default else f" --project-dir {shlex.quote(str(project_dir))}")
+
+
 class RunInterrupted(Exception):
     """A signal stopped a run: which one, the last step done and its checkpoint, whether it stopped at a safe point
     (after a step, checkpoint saved there) or at once (mid-step: a resume starts from the newest checkpoint, or from
@@ -62,27 +70,31 @@ class RunInterrupted(Exception):
         at_once: bool = False,
         run: str = "the run",
         resume: str | None = None,
+        stage: str = "train",
     ):
         self.args = (signal_name,)  # what Exception.__init__ would keep; str() below says the rest
         self.signal, self.step, self.checkpoint, self.at_once = signal_name, step, checkpoint, at_once
-        self.run, self.resume = run, resume
+        self.run, self.resume, self.stage = run, resume, stage
 
     @classmethod
-    def of(cls, error: BaseException, checkpoints: list[tuple[int, Path]]) -> RunInterrupted:
-        """From a signal that stopped the run at once (KeyboardInterrupt, Prefect's TerminationSignal), given the run's
-        checkpoints as (step, path), oldest first."""
+    def of(cls, error: BaseException, checkpoints: list[tuple[int, Path]], stage: str = "train") -> RunInterrupted:
+        """From a signal that stopped the run at once (KeyboardInterrupt, Prefect's TerminationSignal) in `stage`,
+        given the run's checkpoints as (step, path), oldest first."""
         number = getattr(error, "signal", None)
         name = signal.Signals(number).name if isinstance(number, int) else "SIGINT"
         step, path = checkpoints[-1] if checkpoints else (None, None)
-        return cls(name, step, path, at_once=True)
+        return cls(name, step, path, at_once=True, stage=stage)
 
     def __str__(self) -> str:
+        during = "during a step" if self.stage == "train" else f"during its {self.stage} stage"
         if not self.at_once:
             where = f"after step {self.step}, checkpoint saved ({self.checkpoint})"
         elif self.checkpoint is not None:
-            where = f"during a step; it continues from its newest checkpoint, step {self.step} ({self.checkpoint})"
-        else:
+            where = f"{during}; it continues from its newest checkpoint, step {self.step} ({self.checkpoint})"
+        elif self.stage == "train":
             where = "before its first checkpoint; it starts again from step 1"
+        else:
+            where = f"{during}, before its first checkpoint; it starts again from step 1"
         resume = f"; continue with: {self.resume}" if self.resume else ""
         return f"{self.run} stopped by {self.signal} {where}{resume}"
 

@@ -123,7 +123,7 @@ def test_the_description_of_a_failed_run_names_the_error_and_the_resume_command(
     run.fail(RuntimeError("stage 'checkpoint' failed: the store is down"))
     note = tracking.client.get_run(run.run_id).data.tags["mlflow.note.content"]
     assert "**Ended: failed.** stage 'checkpoint' failed: the store is down" in note
-    assert f"`ballast run --resume {run.run_id}`" in note
+    assert f"`ballast run --resume {run.run_id} --project-dir {tracking.spec.project_dir}`" in note  # not .ballast
 
 
 def test_every_ballast_tag_fits_a_chip_on_the_run_page(tracking):

@@ -162,7 +162,7 @@ def test_signalled_ballast_run_exits_128_plus_signal_with_one_line_naming_the_ru
     assert code == 128 + signum
     assert re.fullmatch(
         rf"run {run_id} stopped by {name} after step {step}, checkpoint saved \(.*step-{step:06d}\); "
-        rf"continue with: ballast run --resume {run_id}",
+        rf"continue with: ballast run --resume {run_id} --project-dir {project}",
         last_line(err),
     ), err
     assert "Traceback" not in err and "StageError" not in err

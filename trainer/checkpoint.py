@@ -20,6 +20,8 @@ checkpoint, `kill-in-step:<step>` half-way through that step: the hooks the resu
 `kill-after-logged:<step>` SIGKILLs a pipeline run once MLflow holds that step's metrics (tasks/metrics_sink.py).
 `hold-in-step:<step>` holds that step until a stop signal has arrived (`SIGNALLED`, set by the trainer's
 SafePoint): the signal tests' way to land a signal inside a known step whatever the machine's speed.
+`hold-in-probe:<step>` holds the artifact probe of that step's checkpoint the same way (no SafePoint runs there: the
+signal's exception ends the wait).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Ctrl-C in a sweep, said once: the interrupted trial's stop line and one SweepInterrupted naming the command that
-continues the study — none of the tracebacks Optuna and Prefect log about a KeyboardInterrupt under it.
+"""A signal said once: the stopped run's (or sweep's) one line naming the command that continues it — none of the
+tracebacks and crash errors Optuna and Prefect log about a KeyboardInterrupt or a TerminationSignal
+under it.
 """
 
 from __future__ import annotations
@@ -7,15 +8,27 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 
+PREFECT_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
+SIGNAL_CRASHES = ("aborted by an interrupt signal.", "aborted by a termination signal.")  # Prefect's state messages
+
 
 class SweepInterrupted(KeyboardInterrupt):
     """Ctrl-C or SIGTERM stopped the sweep; what to run to continue it."""
 
 
-class _NoInterruptReports(logging.Filter):
-    """Drops what Optuna and Prefect log about a KeyboardInterrupt (the sweep says it in one line): Optuna's 'Trial N
-    failed with parameters … because of the following error' with its traceback and the 'failed with value None' after
-    it, and Prefect's 'Crash detected! Execution was aborted by an interrupt signal.'"""
+class _NoSignalCrashes(logging.Filter):
+    """Drops Prefect's errors about a run stopped by a signal — 'Crash detected! Execution was aborted by an interrupt
+    signal.' (or 'by a termination signal.') and "Finished in state Crashed('Execution was aborted by …')": the stop
+    line says where the run stopped and how to continue it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(crash in message for crash in SIGNAL_CRASHES)
+
+
+class _NoInterruptedTrials(logging.Filter):
+    """Drops what is logged with a KeyboardInterrupt's traceback (Optuna's 'Trial N failed with parameters … because
+    of the following error'), and Optuna's 'Trial N failed with value None' after it."""
 
     def __init__(self):
         super().__init__()
@@ -26,23 +39,40 @@ class _NoInterruptReports(logging.Filter):
         if record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt):
             self.interrupted.add(message.split(" failed with parameters")[0])  # 'Trial 3'
             return False
-        if message.endswith("failed with value None.") and message.split(" failed with value")[0] in self.interrupted:
-            return False
-        return not (message.startswith("Crash detected!") and "interrupt" in message)
+        return not (
+            message.endswith("failed with value None.") and message.split(" failed with value")[0] in self.interrupted
+        )
+
+
+@contextmanager
+def _filtered(filters: dict[logging.Filter, tuple[str, ...]]):
+    """Each filter on its loggers for the block."""
+    pairs = [(logging.getLogger(name), f) for f, names in filters.items() for name in names]
+    for logger, f in pairs:
+        logger.addFilter(f)
+    try:
+        yield
+    finally:
+        for logger, f in pairs:
+            logger.removeFilter(f)
+
+
+def signal_crashes_unsaid():
+    """Around a run's command (`ballast run`): Prefect's errors about the signal that stopped it are not logged; the
+    command prints its own stop line (tasks/results.py RunInterrupted)."""
+    return _filtered({_NoSignalCrashes(): PREFECT_LOGGERS})
 
 
 @contextmanager
 def interrupts_said_once(command: str):
     """Around a sweep command: a Ctrl-C (or SIGTERM) leaves the terminal with the interrupted trial's stop line and
     one SweepInterrupted naming `command` to continue the study — no tracebacks from the libraries under it."""
-    quiet = _NoInterruptReports()
-    loggers = [logging.getLogger(name) for name in ("optuna.study._optimize", "prefect.flow_runs", "prefect.task_runs")]
-    for logger in loggers:
-        logger.addFilter(quiet)
-    try:
-        yield
-    except KeyboardInterrupt as e:
-        raise SweepInterrupted(f"sweep interrupted; its finished trials are kept — continue it with: {command}") from e
-    finally:
-        for logger in loggers:
-            logger.removeFilter(quiet)
+    with _filtered(
+        {_NoSignalCrashes(): PREFECT_LOGGERS, _NoInterruptedTrials(): ("optuna.study._optimize", *PREFECT_LOGGERS)}
+    ):
+        try:
+            yield
+        except KeyboardInterrupt as e:
+            raise SweepInterrupted(
+                f"sweep interrupted; its finished trials are kept — continue it with: {command}"
+            ) from e
