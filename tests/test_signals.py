@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import re
+import shlex
 import signal
 import sqlite3
 import subprocess
@@ -211,3 +212,49 @@ def test_resuming_a_run_that_finished_says_so_and_runs_nothing(signalled_run):
     assert proc.returncode == 0, err[-3000:]
     assert out.strip().startswith(f"run {run_id} already ended (finished); nothing to resume.")
     assert len(client.search_runs([client.get_run(run_id).info.experiment_id])) == stages_before
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_during_the_artifact_probe_names_that_stage_and_its_command_finishes_the_run(
+    tiny_model, tmp_path, signum
+):
+    """SIGTERM (a preempted node, `timeout`) or SIGINT while the artifact probe runs (held there until the signal:
+    BALLAST_FAULT=hold-in-probe): the last line says the run stopped during its artifact-probe stage, from the final
+    checkpoint — not 'during a step' — with the command that continues it, which names the run's --project-dir (not
+    .ballast) and finishes the run; Prefect's crash errors about the signal are not printed."""
+    project = tmp_path / "project"
+    spec = tmp_path / "spec.yaml"
+    sections = dict(optim={"steps": 2}, checkpoint={"every": 2, "keep_last": 5})
+    spec.write_text(yaml.safe_dump(tiny_spec(tiny_model, name="probed", project_dir=str(project), **sections)))
+    log = tmp_path / "output.log"  # stdout (the stage lines) and stderr (the stop line) as a terminal shows them
+    with log.open("w") as output:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CLI, "run", str(spec)],
+            cwd=REPO,
+            env={**ENV, "BALLAST_FAULT": "hold-in-probe:2"},
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + WAIT_S
+        while "artifact-probe" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        proc.send_signal(signum)
+        code = proc.wait(timeout=WAIT_S)
+    err = log.read_text()
+    run_id = next((project / "runs").iterdir()).name
+    assert code == 128 + signum, err[-3000:]
+    assert re.fullmatch(
+        rf"run {run_id} stopped by {signal.Signals(signum).name} during its artifact-probe stage; it continues from "
+        rf"its newest checkpoint, step 2 \(.*step-000002\); continue with: ballast run --resume {run_id} "
+        rf"--project-dir {project}",
+        last_line(err),
+    ), err[-3000:]
+    for noise in ("Traceback", "Crash detected", "Crashed", "ERROR", "during a step"):
+        assert noise not in err, err[-3000:]
+    if signum == signal.SIGTERM:  # the command it names, run where the run was started, finishes the run
+        command = shlex.split(last_line(err).split("continue with: ")[1])
+        assert command[:2] == ["ballast", "run"]
+        out, resumed_err = ballast(*command[1:]).communicate(timeout=WAIT_S)
+        client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+        assert client.get_run(run_id).data.tags["ballast.status"] == "finished", resumed_err[-3000:]

@@ -10,7 +10,6 @@ import os
 import pty
 import re
 import select
-import shlex
 import signal
 import subprocess
 import sys
@@ -19,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from mlflow.tracking import MlflowClient
 
 from tests.conftest import REPO, tiny_spec
 
@@ -156,44 +154,6 @@ def test_ctrl_c_in_a_terminal_leaves_no_server_of_the_run_behind(ctrl_c_run):
     while processes_with(str(project / "prefect")) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert processes_with(str(project / "prefect")) == []
-
-
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "ctrl-c"])
-def test_a_signal_during_the_artifact_probe_names_that_stage_in_its_one_line_and_no_crash_is_reported(
-    tiny_model, tmp_path, signum
-):
-    """SIGTERM (a preempted node, `timeout`) or ^C while the artifact probe runs (held there until the signal:
-    BALLAST_FAULT=hold-in-probe): the last line says the run stopped during its artifact-probe stage, from the final
-    checkpoint, and how to continue — not 'during a step' — and Prefect's 'Crash detected!' error is not printed."""
-    project = tmp_path / "project"
-    spec = tmp_path / "spec.yaml"
-    sections = dict(optim={"steps": 2}, checkpoint={"every": 2, "keep_last": 5})
-    spec.write_text(yaml.safe_dump(tiny_spec(tiny_model, name="probed", project_dir=str(project), **sections)))
-    term = Terminal("run", str(spec), env={"BALLAST_FAULT": "hold-in-probe:2"})
-    term.read_until(lambda t: "artifact-probe" in t.text)
-    if signum == signal.SIGINT:
-        term.ctrl_c()
-    else:
-        os.kill(term.pid, signum)
-    code = term.wait()
-    run_id = next((project / "runs").iterdir()).name
-    name = signal.Signals(signum).name
-    assert code == 128 + signum, term.text[-3000:]
-    assert re.fullmatch(
-        rf"run {run_id} stopped by {name} during its artifact-probe stage; it continues from its newest checkpoint, "
-        rf"step 2 \(.*step-000002\); continue with: ballast run --resume {run_id} --project-dir {project}",
-        lines(term.text)[-1],
-    ), term.text[-3000:]
-    for noise in ("Traceback", "Crash detected", "ERROR", "during a step"):
-        assert noise not in term.text, term.text[-3000:]
-    if signum == signal.SIGTERM:  # the command it names, run where the run was started, finishes the run
-        command = shlex.split(lines(term.text)[-1].split("continue with: ")[1])
-        assert command[:2] == ["ballast", "run"]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "BALLAST_FAULT"))}
-        done = subprocess.run([sys.executable, "-c", CLI, *command[1:]], cwd=REPO, env=env, capture_output=True)
-        assert done.returncode == 0, done.stderr[-3000:]
-        client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
-        assert client.get_run(run_id).data.tags["ballast.status"] == "finished"
 
 
 def test_ctrl_c_in_a_terminal_stops_both_uis_with_no_traceback(tmp_path):
