@@ -1,6 +1,5 @@
 """A signal said once: the stopped run's (or sweep's) one line naming the command that continues it — none of the
-tracebacks and crash errors Optuna and Prefect log about a KeyboardInterrupt or a TerminationSignal
-under it.
+tracebacks and crash errors Optuna and Prefect log about a KeyboardInterrupt or a TerminationSignal under it.
 """
 
 from __future__ import annotations
