@@ -501,7 +501,9 @@ def cmd_sync(args) -> int:
     print(f"metrics: {sent} sent to {tracking.uri}" if sent else "metrics: none missing")
     if list_checkpoints(run_dir / "checkpoints"):
         store, prefix = reachable_store(store_uri(spec)), checkpoint_prefix(args.run_id)
-        stored = sync_checkpoints(store, prefix, run_dir / "checkpoints", spec.checkpoint.keep_last, args.run_id)
+        stored = sync_checkpoints(
+            store, prefix, run_dir / "checkpoints", spec.checkpoint.keep_last, args.run_id, args.project_dir
+        )
         print(f"checkpoints: {', '.join(Path(u).name for u in stored.uris.values())} in {store.child_uri(prefix)}")
     status = tracking.tags(args.run_id).get("ballast.status")
     if status != "finished":

@@ -131,7 +131,7 @@ def run_stages(
         stop = run.interrupted(e)
         return Cancelled(name="Interrupted", message=str(stop), data=stop)
     except TrackingUnavailable as e:  # the server went away: nothing more can be recorded, the metrics wait on disk
-        lost = run.metrics.lost(e)
+        lost = run.metrics.lost(e, spec.project_dir)
         return Failed(name="TrackingUnavailable", message=str(lost), data=lost)
     except BaseException as e:
         run.fail(e)

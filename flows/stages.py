@@ -51,7 +51,7 @@ def after_training(spec: ExperimentSpec, run: RunRecorder, watch: Watch, outcome
     view = watch.view
     with watch.stage("checkpoint"):
         saved, keep = run.output_dir / "checkpoints", spec.checkpoint.keep_last
-        checkpoints = checkpoint_task(run.store, run.checkpoint_prefix, saved, keep, run.run_id)
+        checkpoints = checkpoint_task(run.store, run.checkpoint_prefix, saved, keep, run.run_id, spec.project_dir)
         watch.record(checkpoints)
     if spec.probe.enabled:
         with watch.stage("artifact-probe"):

@@ -14,6 +14,7 @@ command that uploads it (`ballast sync RUN_ID`; `ballast run --resume RUN_ID` al
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,11 +79,30 @@ class CheckpointsNotUploaded(RuntimeError):
     """The store did not take some of a run's checkpoints; they are kept locally."""
 
 
+def run_command(verb: str, run_id: str, project_dir: str | Path) -> str:
+    """`ballast VERB RUN_ID` ('run --resume', 'sync') for a run of the project at `project_dir`, which it names
+    (--project-dir) when that is not the default (.ballast in the working directory), where the command would not
+    find the run."""
+    default = Path(".ballast").resolve() == Path(project_dir).resolve()
+    return f"ballast {verb} {run_id}" + ("" if default else f" --project-dir {shlex.quote(str(project_dir))}")
+
+
+def resume_command(run_id: str, project_dir: str | Path) -> str:
+    """The command that continues run `run_id`: `ballast run --resume RUN_ID [--project-dir P]`."""
+    return run_command("run --resume", run_id, project_dir)
+
+
 def sync_checkpoints(
-    store: ArtifactStore, prefix: str, ckpt_root: Path, keep_last: int, run_id: str | None = None
+    store: ArtifactStore,
+    prefix: str,
+    ckpt_root: Path,
+    keep_last: int,
+    run_id: str | None = None,
+    project_dir: str | Path = ".ballast",
 ) -> CheckpointSet:
     """Upload the run's missing or changed checkpoints, apply retention in the store, return what is there. When the
-    store fails, CheckpointsNotUploaded names each checkpoint not uploaded and the command that uploads it."""
+    store fails, CheckpointsNotUploaded names each checkpoint not uploaded and the commands that upload them (for
+    run `run_id` of the project at `project_dir`)."""
     local = list_checkpoints(ckpt_root)
     for i, (_, path) in enumerate(local):
         dest = f"{prefix}/{path.name}"
@@ -93,8 +113,8 @@ def sync_checkpoints(
                 store.put_dir(path, dest)
         except Exception as e:
             later = (
-                f"; when the store is back, `ballast sync {run_id}` uploads them and `ballast run --resume "
-                f"{run_id}` finishes the run"
+                f"; when the store is back, `{run_command('sync', run_id, project_dir)}` uploads them and "
+                f"`{resume_command(run_id, project_dir)}` finishes the run"
                 if run_id
                 else ""
             )

@@ -49,6 +49,7 @@ from mlflow.entities import Metric
 from mlflow.exceptions import MlflowException
 
 from infra.mlflow_server import TrackingUnavailable, is_http, short_reason
+from tasks.checkpoint import resume_command, run_command
 from trainer.checkpoint import HOLD_TIMEOUT_S, fault_armed, fault_point, list_checkpoints
 from trainer.loop import Callbacks
 
@@ -352,16 +353,18 @@ class MetricsSink(Callbacks):
         if self.error and self.spool is None:
             raise RuntimeError(f"could not log metrics to MLflow run {self.run_id}: {self.error}")
 
-    def lost(self, error: TrackingUnavailable) -> TrackingUnavailable:
-        """The tracking server went away mid-run: `error`, what waits in the spool and the commands for later."""
+    def lost(self, error: TrackingUnavailable, project_dir: str | Path) -> TrackingUnavailable:
+        """The tracking server went away mid-run: `error`, what waits in the spool and the commands for later (for a
+        run of the project at `project_dir`)."""
         try:
             self.close()
         except Exception:
             pass
         kept = f"; {self.pending} step metrics wait in {self.spool}" if self.pending else ""
-        sync = f"`ballast sync {self.run_id}` sends them, " if self.pending else ""
+        sync = f"`{run_command('sync', self.run_id, project_dir)}` sends them, " if self.pending else ""
         return TrackingUnavailable(
-            f"{error}{kept}; when the server is back, {sync}`ballast run --resume {self.run_id}` finishes the run"
+            f"{error}{kept}; when the server is back, {sync}`{resume_command(self.run_id, project_dir)}` finishes "
+            "the run"
         )
 
 

@@ -16,7 +16,6 @@ sweep all read the same objects (tasks/record.py records each):
 from __future__ import annotations
 
 import json
-import shlex
 import signal
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -48,13 +47,6 @@ class TrainOutcome:
         """A run stopped by a signal goes no further than the checkpoint saved where it stopped."""
         if self.interrupted:
             raise RunInterrupted(self.interrupted, self.last_step, self.last_checkpoint)
-
-
-def resume_command(run_id: str, project_dir: str | Path) -> str:
-    """The command that continues run `run_id`: `ballast run --resume RUN_ID`, with the run's --project-dir when it
-    is not the default (.ballast in the working directory), where --resume would not find it."""
-    default = Path(".ballast").resolve() == Path(project_dir).resolve()
-    return f"ballast run --resume {run_id}" + ("" if default else f" --project-dir {shlex.quote(str(project_dir))}")
 
 
 class RunInterrupted(Exception):

@@ -301,8 +301,9 @@ def test_tracking_server_that_stays_away_ends_the_run_naming_the_kept_metrics_an
     run_id = run_dir(project).name
     spool = run_dir(project) / PENDING
     assert state.is_failed() and state.name == "TrackingUnavailable"
-    assert f"`ballast sync {run_id}` sends them" in str(error) and str(spool) in str(error)
-    assert f"`ballast run --resume {run_id}` finishes the run" in str(error)
+    where = f"--project-dir {project}"  # not .ballast: without it neither command would find the run
+    assert f"`ballast sync {run_id} {where}` sends them" in str(error) and str(spool) in str(error)
+    assert f"`ballast run --resume {run_id} {where}` finishes the run" in str(error)
     kept = {step for line in spool.read_text().splitlines() for _, _, _, step in json.loads(line)["metrics"]}
     assert set(range(2, STEPS + 1)) <= kept
 
@@ -352,7 +353,7 @@ def test_store_that_stays_away_ends_the_run_naming_each_checkpoint_not_uploaded_
         f"3 checkpoint(s) not uploaded to s3://{bucket}/b/runs/{rid}/checkpoints: step-000002, step-000004, "
         f"step-000006 (kept in {local})"
     ) in str(error)
-    assert f"`ballast sync {rid}` uploads them" in str(error)
+    assert f"`ballast sync {rid} --project-dir {project}` uploads them" in str(error)
     assert sorted(p.name for p in local.iterdir()) == ["step-000002", "step-000004", "step-000006"]
 
     endpoint.start()

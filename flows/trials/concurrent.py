@@ -136,7 +136,7 @@ def end_trial(t: OpenTrial, outcome: TrainOutcome | None, error: BaseException |
     except KeyboardInterrupt:  # SIGTERM, Ctrl-C: stop the sweep (its run is marked interrupted)
         raise
     except TrackingUnavailable as e:
-        raise t.run.metrics.lost(e) from e
+        raise t.run.metrics.lost(e, t.run.spec.project_dir) from e
     except BaseException as e:
         t.run.fail(e)
         raise
