@@ -11,13 +11,16 @@ model (trainer/multi.py), each ending with the TrainOutcome `run_training` would
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.fork import ForkSource, fork
 from tasks.results import TrainOutcome
 from tasks.spec import ExperimentSpec, check_trainable_alone
+from trainer.distributed import stop_when_others_are_lost
 from trainer.loop import Callbacks, GRPOTrainer, RunResult, check_resume
 from trainer.model import ensure_model
 from trainer.multi import ConcurrentTrials, TrialJob, TrialOutcome
@@ -97,16 +100,24 @@ def train_alone(
     spec: ExperimentSpec, output_dir: Path, resume: bool, progress: bool, source: ForkSource | None = None
 ) -> tuple[RunResult, Path | None]:
     """`ballast train`: the trainer with no orchestration, from `source` (fork_alone) when given; (result, the
-    checkpoint resumed from)."""
+    checkpoint resumed from). As one of several ranks (torchrun's WORLD_SIZE), a collective that fails because
+    another rank died ends this one with LOST_EXIT, whenever it comes (a step, or the checkpoint a SIGTERM from
+    torchrun's teardown asks for), so the launcher blames the rank that died (tasks/ranks.py), not this one."""
     source = source or ForkSource()
-    trainer = GRPOTrainer(
-        spec.trainer_config(), output_dir, init_adapter=source.adapter_dir, lineage=_lineage(source), progress=progress
-    )
-    try:
-        resumed_from = trainer.resume() if resume else None
-        return trainer.train(spec.optim.steps), resumed_from
-    finally:
-        trainer.close()
+    ranks = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    with stop_when_others_are_lost() if ranks else nullcontext():
+        trainer = GRPOTrainer(
+            spec.trainer_config(),
+            output_dir,
+            init_adapter=source.adapter_dir,
+            lineage=_lineage(source),
+            progress=progress,
+        )
+        try:
+            resumed_from = trainer.resume() if resume else None
+            return trainer.train(spec.optim.steps), resumed_from
+        finally:
+            trainer.close()
 
 
 def ensure_base_model(spec: ExperimentSpec) -> str:

@@ -221,7 +221,9 @@ def stop_when_others_are_lost():
     try:
         yield
     except Exception as e:  # gloo raises RuntimeError, NCCL DistBackendError
-        if isinstance(e, dist.DistError) or "gloo" in str(e).lower() or "timed out" in str(e).lower():
+        # torch's DistError covers NCCL and the store's timeouts; gloo's are RuntimeErrors naming its own source file.
+        # Not any "timed out": a rank's own error (a vLLM request's timeout) is that rank's failure, to be blamed
+        if isinstance(e, dist.DistError) or "gloo" in str(e).lower():
             print(
                 f"rank {os.environ.get('RANK', '?')}: lost the other ranks ({str(e).splitlines()[0][:160]})",
                 file=sys.stderr,
