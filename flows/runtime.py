@@ -13,6 +13,12 @@ start one as a plain child. The choices, on purpose:
 - **Started early, in the background.** The start takes 10-30 s on a 2-core machine; `prestart()` launches it and
   sets PREFECT_API_URL before Prefect is imported, and `wait_until_started()` waits for its health check only when a
   flow is about to run, so the start overlaps the imports of torch, transformers and MLflow and the model build.
+- **A new project's database from a template.** A new PREFECT_HOME's database is created by ~100 migrations plus
+  the block-type registry: 10-12 s of a 2-core machine's CPU, beside the run's own imports, on every first run in
+  a project folder (and every test's). The first server that creates one leaves a copy of it, migrated and empty,
+  in the user's cache (`~/.cache/ballast/prefect-<version>.db`, SQLite's backup: one consistent file); a later new
+  project starts from a copy of that (4 s). Nothing of a run is in it (it is taken when the server first answers,
+  before any flow); a database URL set by the user (PREFECT_API_DATABASE_CONNECTION_URL) is left alone.
 - **Quiet.** The server's background services have nothing to do for one process with no deployments or schedules,
   and only take CPU from training (a quickstart step ran 5-10 % slower with them on), so they are off. Its output
   goes to `<PREFECT_HOME>/server.log`, not the terminal: stopped at exit while a request is in flight, the server's
@@ -62,6 +68,7 @@ DIE_WITH_PARENT = (
 )
 
 _server: subprocess.Popen | None = None
+_new_database: Path | None = None  # the embedded server's database when this process's server creates it
 
 
 def server_log() -> Path:
@@ -95,6 +102,7 @@ def prestart(project_dir: str) -> None:
     configure(project_dir)
     if os.environ.get("PREFECT_API_URL") or _server is not None:
         return
+    _seed_database()
     port = free_port()
     server_env = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
     server_log().parent.mkdir(parents=True, exist_ok=True)
@@ -104,6 +112,51 @@ def prestart(project_dir: str) -> None:
         )
     atexit.register(stop)
     os.environ["PREFECT_API_URL"] = os.environ[EMBEDDED] = f"http://127.0.0.1:{port}/api"
+
+
+def template_database() -> Path:
+    """This machine's migrated, empty Prefect database for the installed Prefect (its migrations are per version)."""
+    from importlib.metadata import version  # not Prefect itself: it reads its settings when imported
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ballast"
+    return cache / f"prefect-{version('prefect')}.db"
+
+
+def _seed_database() -> None:
+    """A new project's database: a copy of the template when there is one, else the server creates it and
+    `wait_until_started` keeps a copy as the template."""
+    global _new_database
+    if any(os.environ.get(f"PREFECT_{part}_DATABASE_CONNECTION_URL") for part in ("API", "SERVER")):
+        return  # the user's database
+    database = Path(os.environ["PREFECT_HOME"]) / "prefect.db"
+    if database.exists():
+        return
+    if not copy_database(template_database(), database):
+        _new_database = database
+
+
+def copy_database(source: Path, target: Path) -> bool:
+    """Copy a SQLite database through SQLite's backup (consistent while a server writes to it), into a temporary
+    file renamed into place; False, copying nothing, when it cannot (no source, a read-only cache, a bad file)."""
+    import sqlite3
+    from contextlib import closing
+
+    if not source.is_file():
+        return False
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with (
+            closing(sqlite3.connect(f"file:{source}?mode=ro", uri=True)) as src,
+            closing(sqlite3.connect(partial)) as dst,
+        ):
+            src.backup(dst)
+            dst.execute("PRAGMA journal_mode=DELETE")  # one file (Prefect turns WAL on again when it connects)
+        os.replace(partial, target)
+        return True
+    except (OSError, sqlite3.Error):
+        partial.unlink(missing_ok=True)
+        return False
 
 
 def uvicorn_argv(port: int) -> list[str]:
@@ -169,10 +222,20 @@ def wait_until_started(timeout: float = STARTUP_TIMEOUT_S) -> None:
         try:
             with urllib.request.urlopen(url, timeout=2) as answer:
                 if answer.status == 200:
+                    _keep_template()
                     return
         except OSError:
             time.sleep(0.2)
     raise RuntimeError(f"the embedded Prefect API server did not answer {url} within {timeout:.0f} s")
+
+
+def _keep_template() -> None:
+    """The database this process's server just created — migrated, block types registered, no run yet — kept as the
+    machine's template for new projects."""
+    global _new_database
+    database, _new_database = _new_database, None
+    if database is not None:  # no template, or one that could not be copied (it is replaced)
+        copy_database(database, template_database())
 
 
 def stop() -> None:

@@ -1,0 +1,92 @@
+"""The embedded Prefect server's database (flows/runtime.py): a new project folder starts from the machine's
+template — a migrated, empty database the first new project's server left in the cache — and a run in it is its
+own. Each test starts real Prefect API servers in a process of its own, with the cache in the test's folder."""
+
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO
+
+# in a process of its own: start the embedded server for a project, wait for it, run a flow through it, stop it
+START_AND_RUN = """
+import sys
+from pathlib import Path
+from flows import runtime
+project = sys.argv[1]
+runtime.prestart(project)
+print("database before the server:", (Path(project) / "prefect" / "prefect.db").exists())
+runtime.wait_until_started()
+from prefect import flow
+
+@flow(name="template-check")
+def check() -> int:
+    return 1
+
+check()
+runtime.stop()
+"""
+
+
+def start_and_run(project: Path, cache: Path, **env: str) -> list[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}  # no test harness's API
+    done = subprocess.run(
+        [sys.executable, "-c", START_AND_RUN, str(project)],
+        cwd=REPO,
+        env={**clean, "XDG_CACHE_HOME": str(cache), **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.splitlines()
+
+
+def rows(database: Path, table: str) -> int:
+    with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as db:
+        return db.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+
+
+def revision(database: Path) -> str:
+    with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as db:
+        return db.execute("SELECT version_num FROM alembic_version").fetchone()[0]
+
+
+def test_a_new_project_starts_from_the_template_the_first_one_left_and_its_runs_are_its_own(tmp_path):
+    cache = tmp_path / "cache"
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert start_and_run(first, cache) == ["database before the server: False"]  # created by its server
+    (template,) = (cache / "ballast").glob("prefect-*.db")
+    # the template: migrated and the block types registered, as the server left it before any flow ran
+    assert revision(template) == revision(first / "prefect" / "prefect.db")
+    assert rows(template, "block_type") > 0
+    assert rows(template, "flow_run") == 0
+    assert rows(first / "prefect" / "prefect.db", "flow_run") == 1
+
+    assert start_and_run(second, cache) == ["database before the server: True"]  # copied before the server started
+    assert rows(second / "prefect" / "prefect.db", "flow_run") == 1  # its own run, served from the copy
+    assert rows(template, "flow_run") == 0  # the template is never served
+    assert sorted(p.name for p in (cache / "ballast").iterdir()) == [template.name]  # no partial copies left
+
+
+def test_a_template_that_is_not_a_database_is_replaced_by_the_next_new_project(tmp_path):
+    cache = tmp_path / "cache"
+    (cache / "ballast").mkdir(parents=True)
+    from importlib.metadata import version
+
+    template = cache / "ballast" / f"prefect-{version('prefect')}.db"
+    template.write_bytes(b"not a database, say a disk that filled up")
+    assert start_and_run(tmp_path / "second", cache) == ["database before the server: False"]
+    assert rows(tmp_path / "second" / "prefect" / "prefect.db", "flow_run") == 1
+    assert rows(template, "block_type") > 0  # a good template again
+
+
+def test_a_database_the_user_names_is_left_alone(tmp_path):
+    cache = tmp_path / "cache"
+    url = f"sqlite+aiosqlite:///{tmp_path / 'mine.db'}"
+    start_and_run(tmp_path / "project", cache, PREFECT_SERVER_DATABASE_CONNECTION_URL=url)
+    assert rows(tmp_path / "mine.db", "flow_run") == 1
+    assert not (tmp_path / "project" / "prefect" / "prefect.db").exists()
+    assert not (cache / "ballast").exists()  # no template taken from a user's database
