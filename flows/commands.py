@@ -599,12 +599,12 @@ def _check_target(target: str) -> None:
 
 
 def cmd_compare(args) -> int:
+    if not 0 < args.alpha < 1:  # before anything loads
+        raise UserError(f"--alpha {args.alpha}: give a significance level between 0 and 1, e.g. 0.01")
     _check_compare_tracking(args)  # a tracking server that is down: one line before torch and MLflow are imported
     from tasks.compare import compare, plot_comparison, resolve_target, write_comparison_html
     from tasks.probe import ProbeError
 
-    if not 0 < args.alpha < 1:
-        raise UserError(f"--alpha {args.alpha}: give a significance level between 0 and 1, e.g. 0.01")
     probe_cfg = model_cfg = lora_cfg = None
     tracking = args.tracking_uri
     if args.spec:

@@ -25,9 +25,8 @@ and one process records a run at a time.
   on; every flush sends the spool first (a resumed run's through the same rule), so the metrics kept during an
   outage reach MLflow when the server returns; what is still there at the end is named with `ballast sync`. A
   spool line sent again (its answer lost) has the same timestamp: MLflow keeps it once.
-* `guarded(client, uri)` — an MlflowClient whose connection failures raise `TrackingUnavailable` (one line) instead
-  of an MlflowException carrying a page of urllib3 text. The check at start and the bounded HTTP waits are
-  infra/mlflow_server.py's (`check_tracking`).
+* A tracking server that stops answering: the client is tasks/tracking.py's `guarded` one (one line, not a
+  page of urllib3 text); the check at start and the bounded HTTP waits are there too (`check_tracking`).
 
 Fault points (trainer/checkpoint.py, BALLAST_FAULT=NAME:STEP) for the tests and bench/kill_resume.py:
 `kill-after-logged:N` SIGKILLs the run once MLflow holds step N (the trainer waits at step N: none trains past it);
@@ -44,11 +43,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import requests
 from mlflow.entities import Metric
-from mlflow.exceptions import MlflowException
 
-from infra.mlflow_server import TrackingUnavailable, is_http, short_reason
+from infra.mlflow_server import TrackingUnavailable, short_reason
 from tasks.checkpoint import resume_command, run_command
 from trainer.checkpoint import HOLD_TIMEOUT_S, fault_armed, fault_point, list_checkpoints
 from trainer.loop import Callbacks
@@ -179,48 +176,6 @@ def sync_record(client, run_id: str, run_dir: Path, every: int = 1, copies: Copi
 
 
 # ── during a run ───────────────────────────────────────────────────────────────────────────────────
-
-
-def connection_failure(error: BaseException) -> BaseException | None:
-    """The network error behind an MlflowException (refused, timed out, retries exhausted), or None."""
-    seen = 0
-    while error is not None and seen < 6:
-        if isinstance(
-            error, (requests.exceptions.ConnectionError, requests.exceptions.Timeout, requests.exceptions.RetryError)
-        ):
-            return error
-        error, seen = error.__cause__ or error.__context__, seen + 1
-    return None
-
-
-class _Guarded:
-    """An MlflowClient whose calls raise TrackingUnavailable when the server cannot be reached."""
-
-    def __init__(self, client, uri: str):
-        self._client, self._uri = client, uri
-
-    def __getattr__(self, name: str):
-        attr = getattr(self._client, name)
-        if not callable(attr):
-            return attr
-
-        def call(*args, **kwargs):
-            try:
-                return attr(*args, **kwargs)
-            except MlflowException as e:
-                cause = connection_failure(e)
-                if cause is None:
-                    raise
-                raise TrackingUnavailable(
-                    f"the MLflow server at {self._uri} stopped answering "
-                    f"({type(cause).__name__}); start it again or fix tracking.uri"
-                ) from None
-
-        return call
-
-
-def guarded(client, uri: str):
-    return _Guarded(client, uri) if is_http(uri) else client
 
 
 class MetricsSink(Callbacks):

@@ -7,7 +7,7 @@ through (tasks/record.py: a pipeline run; tasks/sweep_record.py: a sweep) and th
 * `Tracking` — the store and the spec's experiment, marked a model-training one (`mlflow.experimentKind`), every
   link it makes opening the UI in that mode; a run's facts read back: its checkpoint location, its fork source,
   its output directory, the chain of forks. Its client raises `TrackingUnavailable` (one line) when a server stops
-  answering (tasks/metrics_sink.py `guarded`).
+  answering (`guarded`, below).
 * `probe_report_of_run` — a finished run's newest probe report and curves, for `ballast compare`.
 
 Run facts with long values (paths, URIs, the full commit) are params under `ballast.`; tags under `ballast.` hold
@@ -21,16 +21,20 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 import mlflow
+import requests  # MLflow's own HTTP client
 from mlflow.entities import Param
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from infra.mlflow_server import check_tracking
-from tasks.fork import ForkSource
-from tasks.metrics_sink import guarded
+from infra.mlflow_server import TrackingUnavailable, check_tracking, is_http
 from tasks.spec import TrackingConfig
+
+if TYPE_CHECKING:  # tasks.fork loads torch and peft: a run id is looked up without them
+    from tasks.fork import ForkSource
 
 TAG = "ballast."
 EXPERIMENT_KIND = "custom_model_development"  # mlflow.experimentKind: a model-training experiment, not GenAI
@@ -149,6 +153,8 @@ class Tracking:
 
     def fork_source_of(self, run_id: str) -> ForkSource:
         """The fork source a run started from, as recorded (for a resume; it was verified when the run began)."""
+        from tasks.fork import ForkSource
+
         tags = self.tags(run_id)
         step = tags.get(TAG + "parent_step")
         return ForkSource(
@@ -255,3 +261,50 @@ def probe_report_of_run(uri: str, run_id: str, curves: list[str]) -> tuple[dict,
             for m in client.get_metric_history(run_id, key):
                 by_step.setdefault(m.step, {"step": m.step})[key] = m.value
     return report, [by_step[s] for s in sorted(by_step)] or None
+
+
+# ── a client that says when the server went away ─────────────────────────────────────────────────────────
+
+
+def connection_failure(error: BaseException) -> BaseException | None:
+    """The network error behind an MlflowException (refused, timed out, retries exhausted), or None."""
+    seen = 0
+    while error is not None and seen < 6:
+        if isinstance(
+            error, (requests.exceptions.ConnectionError, requests.exceptions.Timeout, requests.exceptions.RetryError)
+        ):
+            return error
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return None
+
+
+class _Guarded:
+    """An MlflowClient whose calls raise TrackingUnavailable when the server cannot be reached."""
+
+    def __init__(self, client, uri: str):
+        self._client, self._uri = client, uri
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._client, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            try:
+                return attr(*args, **kwargs)
+            except MlflowException as e:
+                cause = connection_failure(e)
+                if cause is None:
+                    raise
+                raise TrackingUnavailable(
+                    f"the MLflow server at {self._uri} stopped answering "
+                    f"({type(cause).__name__}); start it again or fix tracking.uri"
+                ) from None
+
+        return call
+
+
+def guarded(client, uri: str):
+    """An MlflowClient whose connection failures raise `TrackingUnavailable` (one line) instead of an
+    MlflowException carrying a page of urllib3 text (a database URI's client as it is)."""
+    return _Guarded(client, uri) if is_http(uri) else client
