@@ -466,10 +466,8 @@ def test_the_spec_refuses_a_key_in_reward_kwargs_without_echoing_it():
 
 # ------------------------------------------------------------------------------------------ a real server: vLLM
 
-VENV = REPO / ".ballast" / "vllm-venv"
 EXAMPLE = REPO / "examples" / "quickstart-judge.yaml"
 STARTUP_TIMEOUT_S = 600
-INSTALL_TIMEOUT_S = 900
 
 
 def example_judge_kwargs() -> dict:
@@ -487,15 +485,10 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def vllm_judge(tiny_model, tmp_path_factory):
+def vllm_judge(vllm_python, tiny_model, tmp_path_factory):
     """vLLM (its own venv) serving the tiny model as the example's header starts it — an OpenAI-compatible judge
     named as the example names it, that requires an API key: yields (base_url, served model name, key)."""
-    from infra.vllm_env import VLLMEnvError, create_vllm_env
-
-    try:  # idempotent, and one creator at a time (the script locks the venv)
-        python = create_vllm_env(VENV, mode="cpu", timeout_s=INSTALL_TIMEOUT_S, quiet=True)
-    except VLLMEnvError as e:
-        pytest.fail(f"the vLLM environment could not be created at {VENV} (scripts/vllm_env.sh --cpu): {e}", False)
+    python = vllm_python
     key, port, model = f"sk-ballast-test-{uuid.uuid4().hex}", free_port(), example_judge_kwargs()["model"]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(VLLM_API_KEY=key, CUDA_VISIBLE_DEVICES="", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")

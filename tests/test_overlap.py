@@ -18,7 +18,7 @@ import torch
 from pydantic import ValidationError
 
 from tests import test_offline
-from tests.conftest import REPO, tiny_spec
+from tests.conftest import tiny_spec
 from tests.test_trainer import assert_same_as_straight, cli, deterministic, read_jsonl, spec_file, trainer_for
 from trainer.checkpoint import list_checkpoints
 from trainer.config import TrainerConfig
@@ -219,16 +219,6 @@ def test_the_next_batch_is_generated_while_the_trainer_updates(tiny_model, traje
 
 
 # ------------------------------------------------------------------------------------------ vLLM
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> Path:
-    from infra.vllm_env import VLLMEnvError, create_vllm_env
-
-    try:
-        return create_vllm_env(REPO / ".ballast" / "vllm-venv", mode="cpu", timeout_s=900, quiet=True)
-    except VLLMEnvError as e:
-        pytest.fail(f"the vLLM test environment could not be created (scripts/vllm_env.sh --cpu): {e}", pytrace=False)
 
 
 @pytest.fixture(scope="module")

@@ -33,26 +33,12 @@ from trainer.engines.vllm import ServedPolicyError, VLLMEngine, serve_checkpoint
 from trainer.engines.vllm_server import VLLMError, VLLMServer, process_group_members, server_device
 from trainer.loop import Callbacks, GRPOTrainer
 
-VENV = REPO / ".ballast" / "vllm-venv"
-INSTALL_TIMEOUT_S = 900
 STARTUP_TIMEOUT_S = 600
 FP32_TOLERANCE = 1e-3  # engine vs trainer logprob, both fp32 (measured ~1e-5)
 TRAP_PROMPTS = [(23, 58), (41, 17)]
 
 
 # ------------------------------------------------------------------------------------------ fixtures
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> Path:
-    from infra.vllm_env import VLLMEnvError, create_vllm_env
-
-    try:
-        return create_vllm_env(VENV, mode="cpu", timeout_s=INSTALL_TIMEOUT_S, quiet=True)
-    except VLLMEnvError as e:
-        pytest.fail(
-            f"the vLLM test environment could not be created at {VENV} (scripts/vllm_env.sh --cpu): {e}", pytrace=False
-        )
 
 
 @pytest.fixture(scope="module")
