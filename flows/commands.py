@@ -492,7 +492,7 @@ def cmd_sync(args) -> int:
             "project folder the run was made in"
         )
     spec = load_spec(run_dir / "spec.yaml")
-    from tasks.checkpoint import checkpoint_prefix, list_checkpoints, reachable_store, sync_checkpoints
+    from tasks.checkpoint import checkpoint_prefix, list_checkpoints, reachable_store, resume_command, sync_checkpoints
     from tasks.record import sync_run
     from tasks.tracking import Tracking, store_uri
 
@@ -507,7 +507,7 @@ def cmd_sync(args) -> int:
         print(f"checkpoints: {', '.join(Path(u).name for u in stored.uris.values())} in {store.child_uri(prefix)}")
     status = tracking.tags(args.run_id).get("ballast.status")
     if status != "finished":
-        print(f"run {args.run_id} is {status}: `ballast run --resume {args.run_id}` finishes it")
+        print(f"run {args.run_id} is {status}: `{resume_command(args.run_id, args.project_dir)}` finishes it")
     return 0
 
 

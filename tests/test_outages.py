@@ -11,11 +11,14 @@ every checkpoint not uploaded and the command that uploads it. Every wait in the
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import boto3
@@ -233,9 +236,21 @@ def test_kept_metrics_are_sent_once_each_even_when_a_spool_is_sent_twice(tmp_pat
 # ── at start ───────────────────────────────────────────────────────────────────────────────────────
 
 
+@contextmanager
+def closed_port() -> Iterator[int]:
+    """A loopback port nothing can answer on while it is held: bound, never listening (a port merely found free
+    can be taken meanwhile by another test's server, which then answers)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        yield held.getsockname()[1]
+
+
 def test_ballast_run_with_no_tracking_server_fails_at_start_with_one_line_and_creates_nothing(tiny_model, tmp_path):
-    uri = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
-    proc = ballast("run", str(spec_file(tmp_path, pipeline_spec(tiny_model, tmp_path / "p", tracking={"uri": uri}))))
+    with closed_port() as port:
+        uri = f"http://127.0.0.1:{port}"
+        proc = ballast(
+            "run", str(spec_file(tmp_path, pipeline_spec(tiny_model, tmp_path / "p", tracking={"uri": uri})))
+        )
     assert proc.returncode == 1
     assert one_line(proc.stderr).startswith(
         f"error: tracking.uri {uri}: no MLflow server answered {uri}/health within 10 s"
@@ -244,22 +259,24 @@ def test_ballast_run_with_no_tracking_server_fails_at_start_with_one_line_and_cr
 
 
 def test_ballast_compare_with_no_tracking_server_fails_with_one_line(tmp_path):
-    uri = f"http://127.0.0.1:{_free_port()}"
-    proc = ballast("compare", uuid.uuid4().hex, uuid.uuid4().hex, "--tracking-uri", uri)
+    with closed_port() as port:
+        uri = f"http://127.0.0.1:{port}"
+        proc = ballast("compare", uuid.uuid4().hex, uuid.uuid4().hex, "--tracking-uri", uri)
     assert proc.returncode == 1
     assert f"tracking.uri {uri}: no MLflow server answered" in one_line(proc.stderr)
 
 
 def test_ballast_run_with_an_unreachable_store_fails_at_start_with_one_line_and_creates_nothing(tiny_model, tmp_path):
-    endpoint = f"http://127.0.0.1:{_free_port()}"
     spec = pipeline_spec(tiny_model, tmp_path / "p", storage={"uri": "s3://ballast-outage/runs"})
-    aws = {
-        "AWS_ENDPOINT_URL": endpoint,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": TEST_REGION,
-    }
-    proc = ballast("run", str(spec_file(tmp_path, spec)), env=aws)
+    with closed_port() as port:
+        endpoint = f"http://127.0.0.1:{port}"
+        aws = {
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": TEST_REGION,
+        }
+        proc = ballast("run", str(spec_file(tmp_path, spec)), env=aws)
     assert proc.returncode == 1
     assert one_line(proc.stderr).startswith(
         f"error: storage.uri s3://ballast-outage/runs: cannot reach the S3 endpoint {endpoint}"
@@ -312,6 +329,7 @@ def test_tracking_server_that_stays_away_ends_the_run_naming_the_kept_metrics_an
     synced = ballast("sync", run_id, "--project-dir", str(project))
     assert synced.returncode == 0, synced.stderr[-3000:]
     assert f"metrics: {waiting} sent to {mlflow_server.uri}" in synced.stdout
+    assert f"`ballast run --resume {run_id} {where}` finishes it" in synced.stdout  # the run is still to finish
     history = mlflow_server.client().get_metric_history(run_id, "reward")
     assert sorted(m.step for m in history) == list(range(1, STEPS + 1))
     assert not spool.exists()
