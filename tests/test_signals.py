@@ -29,7 +29,12 @@ from trainer.checkpoint import list_checkpoints
 
 STEPS = 6
 SECTIONS = dict(optim={"steps": STEPS, "learning_rate": 3e-3}, checkpoint={"every": 3, "keep_last": 10})
-CLI = "import sys; from flows.cli import main; sys.exit(main())"  # as the `ballast` script calls it
+# as the `ballast` script calls it, with Ctrl-C's handler as a terminal's process has it: a pytest started as a
+# background job of a script (`bash .ci/run &`) has SIGINT ignored, and what it starts would inherit that
+CLI = (
+    "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "from flows.cli import main; sys.exit(main())"
+)
 WAIT_S = 900  # the most any wait here lasts: a model load and a few steps on a loaded 2-core machine
 SIGNALLED_STEP = 2  # the subprocess holds step 2 until the signal has arrived (BALLAST_FAULT=hold-in-step): the signal,
 # sent once step 1 is written, lands in step 2 however fast or slow the machine is
