@@ -114,12 +114,16 @@ def prestart(project_dir: str) -> None:
     os.environ["PREFECT_API_URL"] = os.environ[EMBEDDED] = f"http://127.0.0.1:{port}/api"
 
 
+def machine_cache() -> Path:
+    """What Ballast keeps per machine rather than per project: ~/.cache/ballast (under XDG_CACHE_HOME when set)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ballast"
+
+
 def template_database() -> Path:
     """This machine's migrated, empty Prefect database for the installed Prefect (its migrations are per version)."""
     from importlib.metadata import version  # not Prefect itself: it reads its settings when imported
 
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ballast"
-    return cache / f"prefect-{version('prefect')}.db"
+    return machine_cache() / f"prefect-{version('prefect')}.db"
 
 
 def _seed_database() -> None:

@@ -21,7 +21,6 @@ import contextlib
 import fcntl
 import hashlib
 import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -51,7 +50,9 @@ def smollm2() -> Path:
 
 
 def machine_cache() -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ballast" / "test"
+    from flows.runtime import machine_cache as ballasts  # the cache the product keeps its own template in
+
+    cache = ballasts() / "test"
     cache.mkdir(parents=True, exist_ok=True)
     return cache
 
