@@ -99,6 +99,20 @@ SAMPLES_TABLE, EVAL_SAMPLES_TABLE, PROBE_SAMPLES_TABLE = "samples.json", "eval_s
 # ── one pipeline run ───────────────────────────────────────────────────────────────────────────────
 
 
+def signal_behind(e: BaseException) -> BaseException | None:
+    """The signal that stopped a stage — Ctrl-C's KeyboardInterrupt, SIGTERM's, Prefect's TerminationSignal: a
+    BaseException that is not an Exception — when `e` is one, or when `e` was raised while one was being handled:
+    Ctrl-C landing in Prefect's task engine before its task run exists makes the engine's crash handler raise
+    ValueError('Task run is not set'), which must still read as the stop it is, not as the stage's failure."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if not isinstance(e, Exception):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
 class RunRecorder:
     """The MLflow side of one pipeline run. Make one with `start()` (a new run) or `resume()`."""
 
@@ -324,11 +338,13 @@ class RunRecorder:
         except TrackingUnavailable:
             raise  # nothing can be recorded while the server is away; the flow says what to do
         except BaseException as e:
-            interrupted = isinstance(e, RunInterrupted) or not isinstance(e, Exception)  # a signal, not an error
+            signal = e if isinstance(e, RunInterrupted) else signal_behind(e)  # a signal, not an error
             self.client.set_tag(self.stage_run, "ballast.error", f"{type(e).__name__}: {e}"[:4000])
-            self.client.set_terminated(self.stage_run, "KILLED" if interrupted else "FAILED")
-            if interrupted:
+            self.client.set_terminated(self.stage_run, "FAILED" if signal is None else "KILLED")
+            if signal is not None:
                 self.signalled_stage = name
+                if signal is not e:
+                    raise signal from None  # what a library raised while it handled the signal is not the story
                 raise
             raise StageError(name, e) from e
         else:
@@ -344,10 +360,12 @@ class RunRecorder:
         except TrackingUnavailable:
             raise
         except BaseException as e:
-            interrupted = isinstance(e, RunInterrupted) or not isinstance(e, Exception)
+            signal = e if isinstance(e, RunInterrupted) else signal_behind(e)
             self.tracking.set_tags(self.run_id, {"failed_stage": name, "error": f"{type(e).__name__}: {e}"[:4000]})
-            if interrupted:
+            if signal is not None:
                 self.signalled_stage = name
+                if signal is not e:
+                    raise signal from None  # what a library raised while it handled the signal is not the story
                 raise
             raise StageError(name, e) from e
         finally:

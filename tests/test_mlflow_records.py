@@ -175,3 +175,40 @@ def test_the_run_report_links_the_spec_the_mlflow_run_and_the_commit(tracking):
     assert 'href="spec.yaml"' in html and f'href="{run.url}"' in html
     assert f"<code>{code_ref()['commit'][:12]}</code>" in html
     assert result.mlflow_url == run.url and result.run_name == run.name
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["stage-run", "sweep-trial"])
+def test_ctrl_c_under_a_library_error_stops_the_stage_as_killed_not_failed(tracking, flat):
+    """Ctrl-C landing in Prefect's task engine before its task run exists makes the engine's crash handler raise
+    ValueError('Task run is not set') while it handles the KeyboardInterrupt (seen in CI: the run said 'stage
+    artifact-probe failed', exit 1). The stage reads it as the signal it is: the KeyboardInterrupt goes on, the stage
+    is KILLED (a sweep trial's run tagged with the stage), and the run knows which stage the signal stopped."""
+    run = RunRecorder.start(tracking, tracking.spec, ForkSource())
+    run.flat_stages = flat
+    with pytest.raises(KeyboardInterrupt):
+        with run.stage("artifact-probe"):
+            stage_id = run.stage_run
+            try:
+                raise KeyboardInterrupt
+            except KeyboardInterrupt:
+                raise ValueError("Task run is not set")  # noqa: B904 (as Prefect raises it)
+    assert run.signalled_stage == "artifact-probe"
+    recorded = tracking.client.get_run(stage_id)
+    if flat:
+        assert recorded.data.tags["ballast.failed_stage"] == "artifact-probe"
+    else:
+        assert recorded.info.status == "KILLED"
+        assert recorded.data.tags["ballast.error"] == "ValueError: Task run is not set"
+
+
+def test_a_library_error_with_no_signal_behind_it_fails_the_stage(tracking):
+    """The other side: the same ValueError with no signal under it is the stage's failure (StageError, FAILED)."""
+    from tasks.record import StageError
+
+    run = RunRecorder.start(tracking, tracking.spec, ForkSource())
+    with pytest.raises(StageError, match="stage 'artifact-probe' failed: ValueError: Task run is not set"):
+        with run.stage("artifact-probe"):
+            stage_id = run.stage_run
+            raise ValueError("Task run is not set")
+    assert run.signalled_stage == "train"  # as it was: no signal stopped this stage
+    assert tracking.client.get_run(stage_id).info.status == "FAILED"
