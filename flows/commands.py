@@ -133,7 +133,7 @@ def _first_difference(a, b, prefix: str = "") -> str:
 
 def _check_resume(spec: ExperimentSpec, output_dir: Path) -> None:
     """The checkpoint the resume starts from is verified before Prefect or a model starts (CheckpointError: exit 2)."""
-    from tasks.train import check_resumable
+    from tasks.checkpoint import check_resumable
 
     check_resumable(spec, output_dir)
 
@@ -447,8 +447,10 @@ def _train_dir(spec: ExperimentSpec, args) -> tuple[Path, Path | None]:
     """(`ballast train`'s run directory, the checkpoint --resume continues from), refused before anything is
     written: a directory holding checkpoints without --resume, and --resume with no checkpoint to continue (a fresh
     start under --resume would hide a wrong --output; Hugging Face's Trainer refuses it the same way)."""
-    from tasks.checkpoint import list_checkpoints  # the checkpoint format's one home is trainer/checkpoint.py
-    from tasks.train import check_resumable
+    from tasks.checkpoint import (
+        check_resumable,
+        list_checkpoints,  # the checkpoint format's one home is trainer/checkpoint.py
+    )
 
     out = Path(args.output or Path(spec.project_dir) / "runs" / spec.name)
     if not args.resume:

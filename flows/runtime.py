@@ -68,6 +68,7 @@ DIE_WITH_PARENT = (
 )
 
 _server: subprocess.Popen | None = None
+_answered = False  # the embedded server answered its health check: it may hold a flow's state to finish writing
 _new_database: Path | None = None  # the embedded server's database when this process's server creates it
 
 
@@ -211,6 +212,7 @@ def embedded() -> bool:
 
 def wait_until_started(timeout: float = STARTUP_TIMEOUT_S) -> None:
     """Wait until the embedded server answers its health check (nothing to wait for with a user's server)."""
+    global _answered
     if _server is None:
         return
     url, deadline = os.environ[EMBEDDED] + "/health", time.monotonic() + timeout
@@ -226,6 +228,7 @@ def wait_until_started(timeout: float = STARTUP_TIMEOUT_S) -> None:
         try:
             with urllib.request.urlopen(url, timeout=2) as answer:
                 if answer.status == 200:
+                    _answered = True
                     _keep_template()
                     return
         except OSError:
@@ -243,12 +246,16 @@ def _keep_template() -> None:
 
 
 def stop() -> None:
-    """Stop the embedded server (at exit): SIGTERM to its session, SIGKILL after 10 s."""
+    """Stop the embedded server (at exit): SIGTERM to its session, SIGKILL after 10 s. A server that never answered
+    (the command was refused, or stopped, while it started) is killed at once: it has served nothing, and uvicorn
+    holds a SIGTERM until its start-up is over — 4 s of an idle 2-core machine, the whole 10 s on a busy one, that
+    every refused `ballast run` spent waiting at exit. Its database is the template's copy, or migrations SQLite
+    rolls back."""
     global _server
     server, _server = _server, None
     if server is None or server.poll() is not None:
         return
-    stop_sessions([server])
+    stop_sessions([server], grace_s=10.0 if _answered else 0.0)
 
 
 def stop_sessions(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:

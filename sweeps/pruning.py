@@ -33,8 +33,8 @@ import math
 import optuna
 
 from tasks.results import PipelineResult
+from trainer.callbacks import Callbacks
 from trainer.checkpoint import fault_point
-from trainer.loop import Callbacks
 
 from .baseline import gain_of, load_baseline
 from .space import SweepSpec, objective_value

@@ -19,8 +19,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infra.store import ArtifactStore, fetch, open_store
+from tasks.spec import ExperimentSpec
+from trainer.callbacks import Callbacks
 from trainer.checkpoint import MANIFEST, Checkpoint, list_checkpoints, parse_step_dir, step_dir_name
-from trainer.loop import Callbacks
+from trainer.resume import check_resume
+
+
+def check_resumable(spec: ExperimentSpec, output_dir: Path) -> Path | None:
+    """The checkpoint a resume of `output_dir` starts from (None: none yet), verified and matching `spec`; a
+    CheckpointError otherwise — before any model loads (nothing here imports torch), and with nothing in
+    `output_dir` changed."""
+    return check_resume(spec.trainer_config(), output_dir)
 
 
 @dataclass

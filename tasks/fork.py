@@ -19,7 +19,6 @@ from tasks.checkpoint import fetch_checkpoint
 from tasks.spec import ExperimentSpec
 from trainer.checkpoint import Checkpoint, CheckpointError, parse_step_dir, step_dir_name
 from trainer.config import InputError
-from trainer.model import compare_fingerprint, load_policy, model_identity
 
 
 class ForkError(InputError):
@@ -91,6 +90,8 @@ def verify_fork(spec: ExperimentSpec, source: ForkSource) -> ForkSource:
     """Load the source as the new run will, and check it reproduces the stored fingerprint."""
     if source.checkpoint is None:
         return source
+    from trainer.model import compare_fingerprint, load_policy, model_identity  # torch: only where a model loads
+
     saved_base, now_base = source.checkpoint.base_model, model_identity(spec.model)
     for key in ("config_sha256", "weights_sha256"):
         if key in saved_base and key in now_base and saved_base[key] != now_base[key]:

@@ -47,8 +47,8 @@ from mlflow.entities import Metric
 
 from infra.mlflow_server import TrackingUnavailable, short_reason
 from tasks.checkpoint import resume_command, run_command
+from trainer.callbacks import Callbacks
 from trainer.checkpoint import HOLD_TIMEOUT_S, fault_armed, fault_point, list_checkpoints
-from trainer.loop import Callbacks
 
 PENDING = "mlflow-pending.jsonl"
 RECORD = "metrics.jsonl"  # the trainer's step metrics in the run directory: the record

@@ -27,7 +27,7 @@ from tasks.eval import eval_baseline, eval_checkpoint
 from tasks.fork import ForkSource
 from tasks.spec import validate_spec
 from tasks.tracking import Tracking, user_name
-from trainer.loop import Callbacks
+from trainer.callbacks import Callbacks
 from trainer.population import (  # noqa: F401  (POPULATION_FILE, read_state: the flow's, through tasks/)
     POPULATION_FILE,
     Population,

@@ -60,9 +60,9 @@ from tasks.report import plot_history, write_run_report
 from tasks.results import PipelineResult, ProbeReport, RunInterrupted, RunStatus, StopReason, TrainOutcome
 from tasks.spec import ExperimentSpec, dump_spec, flat_params, spec_hash
 from tasks.tracking import GAIN_TAG, SWEPT_TAG, TAG, Tracking, run_name, store_uri, user_name
+from trainer.callbacks import Callbacks
 from trainer.checkpoint import Checkpoint, code_ref, list_checkpoints, step_dir_name
 from trainer.data import data_fingerprint, load_datasets
-from trainer.loop import Callbacks
 from trainer.metrics import METRICS  # noqa: F401  (the glossary of what is logged: `ballast metrics`)
 from trainer.samples import EVAL_SAMPLES_FILE, SAMPLES_FILE, append_rows
 

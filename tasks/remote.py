@@ -70,9 +70,9 @@ from tasks.record import store_uri
 from tasks.results import ProbeReport, RunInterrupted, TrainOutcome
 from tasks.spec import SpecError, dump_spec, load_spec
 from tasks.train import run_training
+from trainer.callbacks import Callbacks
 from trainer.checkpoint import Checkpoint, CheckpointError, list_checkpoints, parse_step_dir, step_dir_name
 from trainer.config import InputError
-from trainer.loop import Callbacks
 from trainer.samples import EVAL_SAMPLES_FILE, SAMPLES_FILE
 
 STEP_LINE = "ballast-step "

@@ -21,7 +21,7 @@ from tasks.fork import ForkSource, fork
 from tasks.results import TrainOutcome
 from tasks.spec import ExperimentSpec, check_trainable_alone
 from trainer.distributed import stop_when_others_are_lost
-from trainer.loop import Callbacks, GRPOTrainer, RunResult, check_resume
+from trainer.loop import Callbacks, GRPOTrainer, RunResult
 from trainer.model import ensure_model
 from trainer.multi import ConcurrentTrials, TrialJob, TrialOutcome
 
@@ -81,12 +81,6 @@ def _lineage(source: ForkSource) -> dict:
         if source.checkpoint
         else {}
     )
-
-
-def check_resumable(spec: ExperimentSpec, output_dir: Path) -> Path | None:
-    """The checkpoint a resume of `output_dir` starts from (None: none yet), verified and matching `spec`; a
-    CheckpointError otherwise — before any model loads, and with nothing in `output_dir` changed."""
-    return check_resume(spec.trainer_config(), output_dir)
 
 
 def fork_alone(spec: ExperimentSpec) -> ForkSource:

@@ -589,17 +589,48 @@ def one_process_run(tiny_model, tmp_path_factory) -> Path:
     return _train(tmp_path_factory.mktemp("one"), _e2e_spec(tiny_model, "none", 4), "run")
 
 
+_TWO_RANK_RUNS: dict = {}
+
+
+def two_rank_run(tiny_model, tmp_path_factory, parallel: str) -> Path:
+    """`ballast train --nproc 2` for 4 steps with `parallel`, once per module (a test compares it, another resumes
+    its step-2 checkpoint)."""
+    if parallel not in _TWO_RANK_RUNS:
+        where = tmp_path_factory.mktemp(f"two-{parallel}")
+        _TWO_RANK_RUNS[parallel] = _train(where, _e2e_spec(tiny_model, parallel, 4), "run", "--nproc", "2")
+    return _TWO_RANK_RUNS[parallel]
+
+
+def halfway(run: Path, where: Path) -> Path:
+    """A copy of `run` in `where` as it was after step 2's checkpoint: a run stopped there (the resume truncates the
+    metrics past its checkpoint); `where`, the folder that holds `run`."""
+    import shutil
+
+    where.mkdir(parents=True)
+    shutil.copytree(run, where / "run")
+    shutil.rmtree(where / "run" / "checkpoints" / "step-000004")
+    return where
+
+
 @pytest.mark.parametrize("parallel", ["fsdp2", "ddp"])
-def test_ballast_train_on_two_ranks_equals_one_process(tiny_model, tmp_path, one_process_run, parallel):
-    _same_run(_train(tmp_path, _e2e_spec(tiny_model, parallel, 4), "run", "--nproc", "2"), one_process_run, 4)
+def test_ballast_train_on_two_ranks_equals_one_process(tiny_model, tmp_path_factory, one_process_run, parallel):
+    _same_run(two_rank_run(tiny_model, tmp_path_factory, parallel), one_process_run, 4)
 
 
 @pytest.mark.parametrize("parallel", ["fsdp2", "ddp"])
 @pytest.mark.parametrize("first,then", [("2", "1"), ("1", "2")], ids=["2-to-1", "1-to-2"])
-def test_a_checkpoint_resumes_on_another_number_of_ranks(tiny_model, tmp_path, one_process_run, parallel, first, then):
-    spec = _e2e_spec(tiny_model, parallel, 4)
-    _train(tmp_path, spec, "run", "--nproc", first, "--steps", "2")
-    _same_run(_train(tmp_path, spec, "run", "--nproc", then, "--resume"), one_process_run, 4)
+def test_a_checkpoint_resumes_on_another_number_of_ranks(
+    tiny_model, tmp_path, tmp_path_factory, one_process_run, parallel, first, then
+):
+    """Step 2's checkpoint of two ranks continues in one process (model.parallel: none, as one process must say), and
+    one process's on two ranks (parallel: ddp or fsdp2, as two ranks must say): the layout may change across a
+    resume, the run may not, and either way the run is the uninterrupted one process's."""
+    saved = two_rank_run(tiny_model, tmp_path_factory, parallel) if first == "2" else one_process_run
+    resumed_with = "none" if then == "1" else parallel
+    spec = _e2e_spec(tiny_model, resumed_with, 4)
+    _same_run(
+        _train(halfway(saved, tmp_path / "resumed"), spec, "run", "--nproc", then, "--resume"), one_process_run, 4
+    )
 
 
 def test_a_rank_sigkilled_mid_step_and_the_run_resumed_equal_the_uninterrupted_run(
@@ -638,8 +669,6 @@ def test_rollouts_sampled_ahead_on_two_ranks_equal_one_process_and_resume_on_ano
     by the older weights, as one process samples the whole; a checkpoint holds the global batch in flight (the ranks'
     shards joined), and a run resumed from it on one rank trains on exactly that batch (and, the other way, two
     ranks on their shards of one process's)."""
-    import shutil
-
     spec = _e2e_spec(tiny_model, "fsdp2", 4)
     spec["rollout"]["max_off_policy_steps"] = 1
     for name in ("one", "two"):
@@ -652,17 +681,10 @@ def test_rollouts_sampled_ahead_on_two_ranks_equal_one_process_and_resume_on_ano
             for b in state["rollouts"]["batches"]
         ]
 
-    def halfway(run: Path, name: str) -> Path:
-        """A copy of `run` as it was after step 2's checkpoint: a run stopped there, step 3's batch in flight."""
-        (tmp_path / name).mkdir()
-        shutil.copytree(run, tmp_path / name / "run")
-        shutil.rmtree(tmp_path / name / "run" / "checkpoints" / "step-000004")
-        return tmp_path / name
-
     one = _train(tmp_path / "one", spec, "run")
     two = _train(tmp_path / "two", spec, "run", "--nproc", "2")
     _same_run(two, one, 4)
     assert in_flight(two) == in_flight(one)  # step 3's global batch: the two ranks' shards joined
     assert [(step, len(indices)) for step, indices, *_ in in_flight(one)] == [(3, 2)]
-    _same_run(_train(halfway(two, "two-then-one"), spec, "run", "--resume"), one, 4)
-    _same_run(_train(halfway(one, "one-then-two"), spec, "run", "--nproc", "2", "--resume"), one, 4)
+    _same_run(_train(halfway(two, tmp_path / "two-then-one"), spec, "run", "--resume"), one, 4)
+    _same_run(_train(halfway(one, tmp_path / "one-then-two"), spec, "run", "--nproc", "2", "--resume"), one, 4)

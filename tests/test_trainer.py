@@ -590,12 +590,30 @@ def test_per_prompt_seeds_draw_the_same_tokens_in_the_static_cache_loop_and_in_g
 def test_resume_accepts_a_checkpoint_written_before_a_field_existed_when_the_field_holds_its_default(tmp_path):
     """A checkpoint from an older Ballast lacks the fields added since (here the loss variants' knobs); left at their
     defaults they change nothing, so the resume goes on. A field that did change is still refused."""
-    from trainer.loop import _refuse_changed_config, _resumable_view
+    from trainer.resume import refuse_changed_config, resumable_view
 
     cfg = TrainerConfig.model_validate({"model": {"name_or_path": "m"}})
-    older = _resumable_view(cfg)
+    older = resumable_view(cfg)
     del older["grpo"]["cispo_max_ratio"], older["grpo"]["sapo_temperature_pos"]
-    _refuse_changed_config(older, _resumable_view(cfg), tmp_path)
-    changed = _resumable_view(cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"cispo_max_ratio": 9.0})}))
+    refuse_changed_config(older, resumable_view(cfg), tmp_path)
+    changed = resumable_view(cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"cispo_max_ratio": 9.0})}))
     with pytest.raises(CheckpointError, match="grpo.cispo_max_ratio was 5.0 and is now 9.0"):
-        _refuse_changed_config(older, changed, tmp_path)
+        refuse_changed_config(older, changed, tmp_path)
+
+
+def test_resume_accepts_another_layout_of_the_same_computation_and_refuses_another_computation(tmp_path):
+    """model.parallel and model.torch_threads say how this machine lays the run out (a checkpoint is the whole
+    trainable state, resharded on load), so a run started alone may continue on two ranks, and one of two ranks on
+    one; the learning rate is the run's own and is refused, naming the one field that may change beside them."""
+    from trainer.resume import refuse_changed_config, resumable_view
+
+    cfg = TrainerConfig.model_validate({"model": {"name_or_path": "m"}})
+    saved = resumable_view(cfg)
+    for layout in ({"parallel": "fsdp2"}, {"parallel": "ddp", "torch_threads": 3}):
+        refuse_changed_config(
+            saved, resumable_view(cfg.model_copy(update={"model": cfg.model.model_copy(update=layout)})), tmp_path
+        )
+    faster = cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"learning_rate": 1e-3})})
+    refused = r"optim.learning_rate was 0.0001 and is now 0.001; .*only optim.steps, model.parallel"
+    with pytest.raises(CheckpointError, match=refused):
+        refuse_changed_config(saved, resumable_view(faster), tmp_path)

@@ -38,15 +38,16 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
-import torch
-from peft import set_peft_model_state_dict
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from typing import TYPE_CHECKING
 
 from .config import InputError, LoraConfig, ModelConfig
-from .model import load_policy
+
+if TYPE_CHECKING:
+    import torch
+
+# torch, numpy, peft, safetensors and the model loader are imported by the functions that save or load tensors: the
+# format's names, manifests and hashes (what the store, a fork's refusals and `ballast compare` read) load none of
+# them, so a mistyped run id or a missing checkpoint is refused in the time Python takes to start, not torch's
 
 MANIFEST = "manifest.json"
 ADAPTER_CONFIG = "adapter_config.json"  # peft's, inside adapter/
@@ -235,6 +236,9 @@ class Checkpoint:
         return json.loads((self.path / "state" / "trainer_state.json").read_text())
 
     def training_state(self) -> TrainingState:
+        import torch
+        from safetensors import safe_open
+
         state = self.path / "state"
         lagged: list[dict] = []
         lag_file = state / "lagged.safetensors"
@@ -255,6 +259,8 @@ class Checkpoint:
     def load_policy(self, model_cfg: ModelConfig, lora_cfg: LoraConfig | None = None, trainable: bool = False):
         """(model, tokenizer) from this checkpoint alone — never a trainer's memory: the base model named by
         `model_cfg` with the saved adapter, or the saved full model directory (with its own tokenizer)."""
+        from .model import load_policy
+
         lora_cfg = lora_cfg or LoraConfig()
         if self.adapter_dir is not None:
             return load_policy(
@@ -269,7 +275,11 @@ class Checkpoint:
     def load_weights_into(self, model, adapter: str = "default") -> None:
         """Copy the saved weights into `model` (a peft model for an adapter checkpoint, into its adapter `adapter`;
         else the full model)."""
+        from safetensors.torch import load_file
+
         if self.adapter_dir is not None:
+            from peft import set_peft_model_state_dict
+
             weights = load_file(str(self.adapter_dir / "adapter_model.safetensors"))
             result = set_peft_model_state_dict(model, weights, adapter_name=adapter)
             if getattr(result, "unexpected_keys", None):
@@ -375,6 +385,9 @@ def save_checkpoint(
     """Write step-NNNNNN under root atomically. `manifest_extra` holds base model identity, lineage, config hash
     and fingerprint; `trainer_state` must be JSON-serialisable. `adapter`: which of the model's LoRA adapters
     (several trials may share one base model, trainer/multi.py); it is saved as a lone run's would be."""
+    import torch
+    from safetensors.torch import save_file
+
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
@@ -438,6 +451,9 @@ def apply_retention(root: Path, keep_last: int) -> list[Path]:
 
 
 def capture_rng() -> dict:
+    import numpy as np
+    import torch
+
     py = random.getstate()
     np_state = np.random.get_state()
     return {
@@ -449,6 +465,9 @@ def capture_rng() -> dict:
 
 
 def restore_rng(rng: dict) -> None:
+    import numpy as np
+    import torch
+
     random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
     n = rng["numpy"]
     np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))

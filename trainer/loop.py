@@ -37,7 +37,6 @@ Reads top to bottom in the order the data flows. The choices, on purpose:
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import math
 import os
@@ -58,6 +57,7 @@ from transformers import set_seed
 from . import checkpoint as ckpt
 from . import distributed as dd
 from .advantages import AdvantageResult, compute_advantages
+from .callbacks import Callbacks
 from .config import InputError, TrainerConfig
 from .data import PromptSampler, data_fingerprint, load_datasets, render_prompt, reward_columns
 from .episodes import add_environment_reward, conversation_text, episode_metrics
@@ -83,6 +83,7 @@ from .model import (
     resolve_device,
 )
 from .perf import MemoryPlan, matmul_params, memory_plan, peak_flops, step_flops
+from .resume import config_hash, refuse_changed_config, resumable_view
 from .rewards import RewardComputer
 from .rollouts import RolloutBatch, RolloutProducer
 from .samples import EVAL_SAMPLES_FILE, SAMPLES_FILE, append_rows, sample_rows
@@ -90,17 +91,6 @@ from .samples import EVAL_SAMPLES_FILE, SAMPLES_FILE, append_rows, sample_rows
 
 class TrainingError(RuntimeError):
     """A step that cannot go on without silently training the wrong thing."""
-
-
-class Callbacks:
-    """What the trainer tells the outside world. tasks/ binds it to MLflow, sweeps/ to Optuna."""
-
-    def on_step(self, step: int, metrics: dict[str, float]) -> None: ...
-
-    def on_checkpoint(self, checkpoint: ckpt.Checkpoint) -> None: ...
-
-    def should_stop(self, step: int, metrics: dict[str, float]) -> str | None:
-        return None
 
 
 @dataclass
@@ -111,17 +101,6 @@ class RunResult:
     history: list[dict] = field(default_factory=list)
     eval_start: dict | None = None  # eval/* before the first step (eval.on_start), logged as step 0
     interrupted: str | None = None  # the signal that stopped the run at a safe point (SafePoint)
-
-
-def config_hash(cfg: TrainerConfig) -> str:
-    return hashlib.sha256(json.dumps(_resumable_view(cfg), sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _resumable_view(cfg: TrainerConfig) -> dict:
-    """The config minus what may change across a resume (the total step count)."""
-    d = cfg.model_dump(mode="json")
-    d["optim"].pop("steps", None)
-    return d
 
 
 class GRPOTrainer:
@@ -142,7 +121,7 @@ class GRPOTrainer:
         # its own copy: a schedule (grpo.schedule, or a population's) sets beta, the learning rate and the repetition
         # penalty step by step on it; the checkpoint records the spec as given (`_spec_view`), so a resume compares it
         self.cfg, self.out = cfg.model_copy(deep=True), Path(output_dir)
-        self._spec_view, self._config_hash = _resumable_view(cfg), config_hash(cfg)
+        self._spec_view, self._config_hash = resumable_view(cfg), config_hash(cfg)
         self.schedule: list[dict] = [seg.model_dump(exclude_none=True) for seg in cfg.grpo.schedule]
         self.callbacks, self.lineage, self.progress = list(callbacks), dict(lineage or {}), progress
         self.ckpt_root = self.out / "checkpoints"
@@ -291,7 +270,7 @@ class GRPOTrainer:
             self._truncate_records(-1)
             return None
         state = checkpoint.training_state()
-        _refuse_changed_config(state.trainer.get("config", {}), self._spec_view, checkpoint.path)
+        refuse_changed_config(state.trainer.get("config", {}), self._spec_view, checkpoint.path)
         self._load_weights_and_optimizer(checkpoint, state.optimizer)
         self.scheduler.load_state_dict(state.scheduler)
         self.sampler.load_state_dict(state.trainer["sampler"])
@@ -927,44 +906,6 @@ def _lr_lambda(schedule: str, warmup: int, total: int):
         return 1.0 - progress if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
 
     return f
-
-
-def _refuse_changed_config(saved: dict, now: dict, path: Path) -> None:
-    def first_diff(a, b, prefix=""):
-        if isinstance(a, dict) and isinstance(b, dict):
-            for k in sorted(set(a) | set(b)):
-                d = first_diff(a.get(k), b.get(k), f"{prefix}{k}.")
-                if d:
-                    return d
-            return None
-        return None if a == b else (prefix.rstrip("."), a, b)
-
-    diff = first_diff(_with_new_defaults(saved), now)
-    if saved and diff:
-        key, was, is_now = diff
-        raise ckpt.CheckpointError(
-            f"cannot resume from {path}: spec field {key} was {was!r} and is now {is_now!r}; "
-            "resume with the spec the run started with (only optim.steps may change), or fork a new run"
-        )
-
-
-def _with_new_defaults(saved: dict) -> dict:
-    """A checkpoint's config with the fields added to TrainerConfig since it was written set to their defaults
-    (a field a newer Ballast added, left at its default, changes nothing); as saved if it no longer validates."""
-    try:
-        return _resumable_view(TrainerConfig.model_validate(saved)) if saved else saved
-    except Exception:
-        return saved
-
-
-def check_resume(cfg: TrainerConfig, output_dir: str | Path) -> Path | None:
-    """The checkpoint a resume of `output_dir` starts from (None: there is none), verified and checked against
-    `cfg` before any model loads, so a refused resume (CheckpointError) is quick and leaves the run as it was."""
-    checkpoint = ckpt.latest_checkpoint(Path(output_dir) / "checkpoints")
-    if checkpoint is None:
-        return None
-    _refuse_changed_config(checkpoint.training_state().trainer.get("config", {}), _resumable_view(cfg), checkpoint.path)
-    return checkpoint.path
 
 
 def _latest_path(root: Path) -> Path | None:
