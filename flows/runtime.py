@@ -255,7 +255,11 @@ def stop() -> None:
     server, _server = _server, None
     if server is None or server.poll() is not None:
         return
-    stop_sessions([server], grace_s=10.0 if _answered else 0.0)
+    if _answered:
+        stop_sessions([server])
+    else:
+        _signal_session(server, signal.SIGKILL)
+        server.wait()
 
 
 def stop_sessions(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:

@@ -90,3 +90,51 @@ def test_a_database_the_user_names_is_left_alone(tmp_path):
     assert rows(tmp_path / "mine.db", "flow_run") == 1
     assert not (tmp_path / "project" / "prefect" / "prefect.db").exists()
     assert not (cache / "ballast").exists()  # no template taken from a user's database
+
+
+# in a process of its own: start the embedded server, stop it before it answered (a refused command, a Ctrl-C during
+# the start); start it in that project again and run a flow; print how the first server ended and the flow's result
+STOPPED_EARLY = """
+import sys
+from flows import runtime
+project = sys.argv[1]
+runtime.prestart(project)
+first = runtime._server
+runtime.stop()
+print("first server:", first.wait(timeout=5))
+runtime._server = None
+del __import__("os").environ["PREFECT_API_URL"]
+runtime.prestart(project)
+runtime.wait_until_started()
+from prefect import flow
+
+@flow(name="after-an-early-stop")
+def check() -> int:
+    return 7
+
+print("flow:", check())
+second = runtime._server
+runtime.stop()
+print("second server:", second.wait(timeout=30))
+"""
+
+
+def test_a_server_stopped_before_it_answered_is_killed_at_once_and_its_project_starts_again(tmp_path):
+    """uvicorn holds a SIGTERM until its start-up ends, so a command refused while its server started waited up to
+    10 s at exit; a server that never answered is killed (SIGKILL, status -9), one that served is stopped with
+    SIGTERM (its own exit), and a project whose server was killed during its start runs flows the next time (no
+    template in the cache: the second server creates the project's database itself)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    done = subprocess.run(
+        [sys.executable, "-c", STOPPED_EARLY, str(tmp_path / "project")],
+        cwd=REPO,
+        env={**clean, "XDG_CACHE_HOME": str(tmp_path / "cache")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "first server: -9", done.stdout
+    assert lines[1] == "flow: 7"
+    assert lines[2] == "second server: -15", done.stdout  # SIGTERM: uvicorn stops, then ends by the signal
