@@ -90,7 +90,7 @@ def _dryrun_compute(spec) -> int:
     """`ballast run SPEC --dryrun`: the SkyPilot task of the run's stage node, validated by SkyPilot; nothing runs."""
     from infra.compute import ComputeError
     from tasks.remote import plan_skypilot
-    from tasks.tracking import tracking_uri
+    from tasks.spec import tracking_uri
 
     if spec.infra.compute != "skypilot":
         raise UserError(
@@ -328,7 +328,7 @@ def _check_store(spec: ExperimentSpec) -> None:
     credentials 2)."""
     from infra.store import BucketNotFound, StoreUnavailable
     from tasks.checkpoint import reachable_store
-    from tasks.tracking import store_uri
+    from tasks.spec import store_uri
 
     try:
         reachable_store(store_uri(spec))
@@ -517,10 +517,10 @@ def cmd_sync(args) -> int:
 
 
 def cmd_probe(args) -> int:
+    _check_target(args.checkpoint)  # a mistyped path: one line before torch loads
+    cfg, model_cfg, lora_cfg, spec = _probe_settings(args)
     from tasks.probe import ProbeError, base_model_of, probe_checkpoint
 
-    _check_target(args.checkpoint)
-    cfg, model_cfg, lora_cfg, spec = _probe_settings(args)
     cache = (
         Path(args.cache_dir) if args.cache_dir else Path(spec.project_dir if spec else ".ballast") / "cache" / "probe"
     )
@@ -610,8 +610,7 @@ def cmd_compare(args) -> int:
     probe_cfg = model_cfg = lora_cfg = None
     tracking = args.tracking_uri
     if args.spec:
-        from tasks.spec import load_spec
-        from tasks.tracking import tracking_uri
+        from tasks.spec import load_spec, tracking_uri
 
         spec = load_spec(args.spec, args.set)
         probe_cfg, model_cfg, lora_cfg = spec.probe, spec.model, spec.lora

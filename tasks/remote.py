@@ -611,7 +611,7 @@ class NodeChoice(BaseModel):
 def check_compute(spec) -> None:
     """What a remote node could not use, refused before anything is provisioned (ComputeError, one line)."""
     from tasks.ranks import check_stage_ranks
-    from tasks.tracking import tracking_uri
+    from tasks.spec import tracking_uri
 
     try:
         check_stage_ranks(spec)  # infra.nproc_per_node / num_nodes the compute cannot give, before anything else

@@ -658,3 +658,25 @@ def flat_params(spec: ExperimentSpec) -> dict[str, str]:
 
 def dump_spec(spec: ExperimentSpec) -> str:
     return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)
+
+
+# ── where a spec's runs are tracked and stored (no MLflow: the CLI checks a store before anything heavy loads) ─────
+
+
+def tracking_uri(spec: ExperimentSpec) -> str:
+    """The MLflow tracking URI: tracking.uri, or the project's embedded store (project_dir/mlflow.db)."""
+    if spec.tracking.uri:
+        return spec.tracking.uri
+    db = Path(spec.project_dir).resolve() / "mlflow.db"
+    db.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{db}"
+
+
+def default_tracking_uri() -> str:
+    """The embedded store of the default project folder (.ballast/ under the working directory)."""
+    return f"sqlite:///{Path('.ballast').resolve() / 'mlflow.db'}"
+
+
+def store_uri(spec: ExperimentSpec) -> str:
+    """The artifact store: storage.uri, or project_dir/artifacts."""
+    return spec.storage.uri or str(Path(spec.project_dir).resolve() / "artifacts")

@@ -3,7 +3,8 @@ through (tasks/record.py: a pipeline run; tasks/sweep_record.py: a sweep) and th
 (tasks/compare.py).
 
 * `tracking_uri(spec)` — SQLite under the project folder by default, `tracking.uri` for a team server (an http(s)
-  server must answer at start: infra/mlflow_server.py); `store_uri(spec)` the artifact store beside it.
+  server must answer at start: infra/mlflow_server.py); `store_uri(spec)` the artifact store beside it (both defined
+  in tasks/spec.py, where the CLI reaches them without importing MLflow).
 * `Tracking` — the store and the spec's experiment, marked a model-training one (`mlflow.experimentKind`), every
   link it makes opening the UI in that mode; a run's facts read back: its checkpoint location, its fork source,
   its output directory, the chain of forks. Its client raises `TrackingUnavailable` (one line) when a server stops
@@ -31,7 +32,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from infra.mlflow_server import TrackingUnavailable, check_tracking, is_http
-from tasks.spec import TrackingConfig
+from tasks.spec import TrackingConfig, default_tracking_uri, store_uri, tracking_uri  # noqa: F401 (the recorder's names too)
 
 if TYPE_CHECKING:  # tasks.fork loads torch and peft: a run id is looked up without them
     from tasks.fork import ForkSource
@@ -44,23 +45,6 @@ UI_MODE = "workflowType=machine_learning"
 DEFAULT_UI_URL = "http://127.0.0.1:5000"  # where `ballast ui` serves the embedded store
 SWEPT_TAG = "swept"  # a sweep trial's run: the comma-joined swept spec fields, its only params
 GAIN_TAG = "gain_metric"  # a sweep trial's run: its gain over the baseline, Gain/<objective> (NaN until it ends)
-
-
-def tracking_uri(spec) -> str:
-    if spec.tracking.uri:
-        return spec.tracking.uri
-    db = Path(spec.project_dir).resolve() / "mlflow.db"
-    db.parent.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{db}"
-
-
-def default_tracking_uri() -> str:
-    """The embedded store of the default project folder (.ballast/ under the working directory)."""
-    return f"sqlite:///{Path('.ballast').resolve() / 'mlflow.db'}"
-
-
-def store_uri(spec) -> str:
-    return spec.storage.uri or str(Path(spec.project_dir).resolve() / "artifacts")
 
 
 # ── the tracking store, and lineage read back ──────────────────────────────────────────────────────
