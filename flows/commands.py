@@ -344,6 +344,12 @@ def _spec_file_of_run(given: str, spec_path: str | None, project_dir: str) -> tu
     probe = (
         load_spec(spec_path) if spec_path else load_spec({"model": {"name_or_path": "-"}, "project_dir": project_dir})
     )
+    if not probe.tracking.uri and not (Path(probe.project_dir) / "mlflow.db").is_file():
+        # no run was ever tracked there: said at once, without opening (and creating) an empty store in that folder
+        raise UserError(
+            f"--resume {given}: project_dir {probe.project_dir} has no MLflow store (mlflow.db), so no run to resume; "
+            "give --project-dir the project the run was tracked in"
+        )
     try:
         tracking = Tracking(probe)
         run_id = tracking.resolve_run_id(given)

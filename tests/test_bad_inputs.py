@@ -227,9 +227,15 @@ CASES = [
         args=("run", "--resume", "abc", "--set", "optim.steps=9"),
     ),
     Case(
-        "run --resume of an unknown run",
+        "run --resume in a project that has tracked nothing",
+        "has no MLflow store (mlflow.db), so no run to resume; give --project-dir the project",
+        args=("run", "--resume", "abc", "--project-dir", "{dir}/p"),
+    ),
+    Case(
+        "run --resume of a run the project's store does not hold",
         "--resume abc: MLflow run 'abc' was not found",
         args=("run", "--resume", "abc", "--project-dir", "{dir}/p"),
+        files={"p/mlflow.db": ""},  # an empty SQLite database: MLflow makes its tables, and holds no run
     ),
     Case(
         "a fork checkpoint that does not exist",

@@ -395,16 +395,7 @@ def save_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     (tmp / "state").mkdir(parents=True)
-    weights = "adapter" if hasattr(model, "peft_config") else "model"
-    if weights == "adapter" and adapter != "default":  # peft writes a named adapter into a folder of that name
-        model.save_pretrained(tmp / "named", safe_serialization=True, selected_adapters=[adapter])
-        (tmp / "named" / adapter).rename(tmp / weights)
-        shutil.rmtree(tmp / "named")
-    else:
-        model.save_pretrained(tmp / weights, safe_serialization=True)
-    if weights == "model":
-        tokenizer.save_pretrained(tmp / "model")  # a full fine-tune is a complete model directory
-    tokenizer.save_pretrained(tmp / "tokenizer")
+    weights = _write_weights(tmp, model, tokenizer, adapter)
     fault_point("kill-in-checkpoint", step)
     torch.save(optimizer.state_dict(), tmp / "state" / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "state" / "scheduler.pt")
@@ -430,6 +421,21 @@ def save_checkpoint(
     if keep_last:
         apply_retention(root, keep_last)
     return Checkpoint(final, manifest)
+
+
+def _write_weights(tmp: Path, model, tokenizer, adapter: str) -> str:
+    """The weights ('adapter': peft's adapter/ of `adapter`; 'model': a complete model directory) and tokenizer/."""
+    weights = "adapter" if hasattr(model, "peft_config") else "model"
+    if weights == "adapter" and adapter != "default":  # peft writes a named adapter into a folder of that name
+        model.save_pretrained(tmp / "named", safe_serialization=True, selected_adapters=[adapter])
+        (tmp / "named" / adapter).rename(tmp / weights)
+        shutil.rmtree(tmp / "named")
+    else:
+        model.save_pretrained(tmp / weights, safe_serialization=True)
+    if weights == "model":
+        tokenizer.save_pretrained(tmp / "model")  # a full fine-tune is a complete model directory
+    tokenizer.save_pretrained(tmp / "tokenizer")
+    return weights
 
 
 def _fsync_tree(path: Path) -> None:
