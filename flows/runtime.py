@@ -111,7 +111,7 @@ def prestart(project_dir: str) -> None:
         _server = spawn_in_own_session(
             uvicorn_argv(port), env={**os.environ, **server_env}, stdout=log, stderr=subprocess.STDOUT
         )
-    atexit.register(stop)
+    atexit.register(stop_server)
     os.environ["PREFECT_API_URL"] = os.environ[EMBEDDED] = f"http://127.0.0.1:{port}/api"
 
 
@@ -245,7 +245,7 @@ def _keep_template() -> None:
         copy_database(database, template_database())
 
 
-def stop() -> None:
+def stop_server() -> None:
     """Stop the embedded server (at exit): SIGTERM to its session, SIGKILL after 10 s. A server that never answered
     (the command was refused, or stopped, while it started) is killed at once: it has served nothing, and uvicorn
     holds a SIGTERM until its start-up is over — 4 s of an idle 2-core machine, the whole 10 s on a busy one, that

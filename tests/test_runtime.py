@@ -26,7 +26,7 @@ def check() -> int:
     return 1
 
 check()
-runtime.stop()
+runtime.stop_server()
 """
 
 
@@ -100,7 +100,7 @@ from flows import runtime
 project = sys.argv[1]
 runtime.prestart(project)
 first = runtime._server
-runtime.stop()
+runtime.stop_server()
 print("first server:", first.wait(timeout=5))
 runtime._server = None
 del __import__("os").environ["PREFECT_API_URL"]
@@ -114,7 +114,7 @@ def check() -> int:
 
 print("flow:", check())
 second = runtime._server
-runtime.stop()
+runtime.stop_server()
 print("second server:", second.wait(timeout=30))
 """
 
