@@ -143,9 +143,10 @@ def _check_fork(spec: ExperimentSpec) -> None:
     loads the model, runs in the flow's fork stage)."""
     if spec.fork.run_id is None and spec.fork.checkpoint is None:
         return
+    from tasks.spec import tracks_nothing_yet
+
     _check_local_fork_checkpoint(spec)
-    if spec.fork.run_id and not spec.tracking.uri and not (Path(spec.project_dir) / "mlflow.db").is_file():
-        # no run was ever tracked in this project: said at once, without opening (and creating) an empty store
+    if spec.fork.run_id and tracks_nothing_yet(spec):
         raise UserError(
             f"fork source fork.run_id={spec.fork.run_id}: project_dir {spec.project_dir} has no MLflow store "
             "(mlflow.db) yet, so no run to fork; set project_dir to the project the run was tracked in, or "
@@ -338,14 +339,13 @@ def _check_store(spec: ExperimentSpec) -> None:
 
 def _spec_file_of_run(given: str, spec_path: str | None, project_dir: str) -> tuple[str, Path]:
     """(the run's full id, its spec.yaml) for `--resume` given a run id, a run name or the short id in a name."""
-    from tasks.spec import load_spec
+    from tasks.spec import load_spec, tracks_nothing_yet
     from tasks.tracking import Tracking
 
     probe = (
         load_spec(spec_path) if spec_path else load_spec({"model": {"name_or_path": "-"}, "project_dir": project_dir})
     )
-    if not probe.tracking.uri and not (Path(probe.project_dir) / "mlflow.db").is_file():
-        # no run was ever tracked there: said at once, without opening (and creating) an empty store in that folder
+    if tracks_nothing_yet(probe):
         raise UserError(
             f"--resume {given}: project_dir {probe.project_dir} has no MLflow store (mlflow.db), so no run to resume; "
             "give --project-dir the project the run was tracked in"
@@ -502,7 +502,8 @@ def cmd_sync(args) -> int:
     spec = load_spec(run_dir / "spec.yaml")
     from tasks.checkpoint import checkpoint_prefix, list_checkpoints, reachable_store, resume_command, sync_checkpoints
     from tasks.record import sync_run
-    from tasks.tracking import Tracking, store_uri
+    from tasks.spec import store_uri
+    from tasks.tracking import Tracking
 
     tracking = Tracking(spec)
     sent = sync_run(tracking, spec, args.run_id, run_dir)

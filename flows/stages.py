@@ -28,8 +28,8 @@ from tasks.probe import probe_checkpoint, run_probe_args
 from tasks.record import RunRecorder, StageError
 from tasks.remote import Node, eval_on_node, probe_on_node, train_on_node
 from tasks.results import RunInterrupted
-from tasks.spec import ExperimentSpec
-from tasks.tracking import Tracking, store_uri
+from tasks.spec import ExperimentSpec, store_uri
+from tasks.tracking import Tracking
 from tasks.train import run_training
 
 NO_RESULT = dict(cache_policy=NO_CACHE, persist_result=False)

@@ -42,8 +42,8 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 from tasks.pages import render_page  # noqa: E402
 from tasks.probe import probe_checkpoint, wilson_interval  # noqa: E402
 from tasks.results import CI_LEVEL, REPORT_KIND  # noqa: E402
-from tasks.spec import ProbeConfig  # noqa: E402
-from tasks.tracking import default_tracking_uri, probe_report_of_run  # noqa: E402
+from tasks.spec import ProbeConfig, default_tracking_uri  # noqa: E402
+from tasks.tracking import probe_report_of_run  # noqa: E402
 from trainer.checkpoint import MANIFEST, is_checkpoint, list_checkpoints  # noqa: E402
 from trainer.config import LoraConfig, ModelConfig  # noqa: E402
 from trainer.health import REASONS  # noqa: E402

@@ -58,8 +58,8 @@ from tasks.metrics_sink import PENDING, RECORD, Held, MetricsSink, now_ms, read_
 from tasks.regression import RegressionResult
 from tasks.report import plot_history, write_run_report
 from tasks.results import PipelineResult, ProbeReport, RunInterrupted, RunStatus, StopReason, TrainOutcome
-from tasks.spec import ExperimentSpec, dump_spec, flat_params, spec_hash
-from tasks.tracking import GAIN_TAG, SWEPT_TAG, TAG, Tracking, run_name, store_uri, user_name
+from tasks.spec import ExperimentSpec, dump_spec, flat_params, spec_hash, store_uri
+from tasks.tracking import GAIN_TAG, SWEPT_TAG, TAG, Tracking, run_name, user_name
 from trainer.callbacks import Callbacks
 from trainer.checkpoint import Checkpoint, code_ref, list_checkpoints, step_dir_name
 from trainer.data import data_fingerprint, load_datasets

@@ -66,9 +66,8 @@ from infra.store import ChecksumError, StoreUnavailable, open_store
 from tasks.checkpoint import CheckpointUploader, checkpoint_prefix, fetch_checkpoint
 from tasks.eval import EvalResult, eval_checkpoint
 from tasks.probe import ProbeError, probe_checkpoint, run_probe_args
-from tasks.record import store_uri
 from tasks.results import ProbeReport, RunInterrupted, TrainOutcome
-from tasks.spec import SpecError, dump_spec, load_spec
+from tasks.spec import SpecError, dump_spec, load_spec, store_uri
 from tasks.train import run_training
 from trainer.callbacks import Callbacks
 from trainer.checkpoint import Checkpoint, CheckpointError, list_checkpoints, parse_step_dir, step_dir_name

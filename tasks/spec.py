@@ -672,6 +672,12 @@ def tracking_uri(spec: ExperimentSpec) -> str:
     return f"sqlite:///{db}"
 
 
+def tracks_nothing_yet(spec: ExperimentSpec) -> bool:
+    """No tracking.uri and no embedded store (project_dir/mlflow.db): no run was ever tracked in this project, so a run
+    id cannot be in it — said at once, without opening (and so creating) an empty store there."""
+    return not spec.tracking.uri and not (Path(spec.project_dir) / "mlflow.db").is_file()
+
+
 def default_tracking_uri() -> str:
     """The embedded store of the default project folder (.ballast/ under the working directory)."""
     return f"sqlite:///{Path('.ballast').resolve() / 'mlflow.db'}"

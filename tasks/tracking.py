@@ -32,7 +32,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from infra.mlflow_server import TrackingUnavailable, check_tracking, is_http
-from tasks.spec import TrackingConfig, default_tracking_uri, store_uri, tracking_uri  # noqa: F401 (the recorder's names too)
+from tasks.spec import TrackingConfig, tracking_uri
 
 if TYPE_CHECKING:  # tasks.fork loads torch and peft: a run id is looked up without them
     from tasks.fork import ForkSource

@@ -151,8 +151,8 @@ def test_a_bad_checkpoint_fails_the_probe_on_the_node_with_the_error_a_local_pro
     from infra.store import open_store
     from tasks.checkpoint import checkpoint_prefix
     from tasks.probe import ProbeError, probe_checkpoint
-    from tasks.record import store_uri
     from tasks.remote import open_compute, probe_on_node
+    from tasks.spec import store_uri
 
     _, _, clean = uninterrupted
     spec = load_spec(node_spec_dict(tiny_model, tmp_path / "project"))

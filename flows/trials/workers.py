@@ -33,8 +33,8 @@ from flows.stages import provision_task, teardown_task
 from infra.compute import Compute, LocalCompute, SkyPilotCompute, StageExit, Usage, sky_plan, sky_task, urlhost
 from sweeps.runner import Budget, RunnerReport
 from sweeps.study import LOOPBACK, NODE_ATTR, n_done, target
-from tasks.record import store_uri
 from tasks.remote import LineRelay, node_name, node_spec, write_node_spec
+from tasks.spec import store_uri
 from tasks.sweep_record import SweepRecorder
 
 CLI = "import sys; from flows.cli import main; sys.exit(main())"
