@@ -310,9 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     for stream in (sys.stdout, sys.stderr):  # piped (tee, CI logs): every line as it is written, not per 8 KB block
         if not stream.isatty() and hasattr(stream, "reconfigure"):
             stream.reconfigure(line_buffering=True)
-    warnings.formatwarning = _one_line_warning
-    for noisy in ("mlflow", "alembic", "httpx", "botocore", "urllib3"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    quiet_libraries()
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _terminated)  # a training loop stops at a safe point on its own (trainer/loop.py)
     commands = importlib.import_module("flows.commands")
@@ -335,6 +333,27 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `ballast spec-schema | head`: the reader left; stop quietly, as a SIGPIPE'd tool does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit flush must not raise again
         return 141
+
+
+def quiet_libraries() -> None:
+    """What the libraries under a command print is what a person needs: warnings as one line, no info chatter from
+    the clients, and none of Prefect's at-exit progress lines, which came after the command's last line (the line a
+    stopped run ends with says how to continue it)."""
+    warnings.formatwarning = _one_line_warning
+    for noisy in ("mlflow", "alembic", "httpx", "botocore", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    for service in PREFECT_SERVICES:
+        logging.getLogger(service).addFilter(_no_drain_progress)
+
+
+# Prefect's queue services (their loggers are named after their classes) send what is left at interpreter exit and
+# log 'Still processing items: N items remaining...' while they do: after the command's last line, saying nothing
+# the person can act on. Their errors (a service that failed with items pending) are still shown.
+PREFECT_SERVICES = ("EventsWorker", "APILogWorker")
+
+
+def _no_drain_progress(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Still processing items")
 
 
 # advice from a library that Ballast does not follow on purpose, printed on every run otherwise: the logged model's

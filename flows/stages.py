@@ -124,12 +124,14 @@ class Watch:
     @contextmanager
     def stage(self, name: str, started: float | None = None):
         """The stage's records and lines around the block; `started` (perf_counter): it began earlier, and its start
-        was told then (a concurrent trial's train stage)."""
-        if started is None:
-            self.view.stage_started(name)
-            started = time.perf_counter()
+        was told then (a concurrent trial's train stage). Its start is told once its record exists: a signal after
+        the line that says it started stops the stage the line names."""
+        told, started = started is not None, started or time.perf_counter()
         try:
             with self.run.stage(name):
+                if not told:
+                    self.view.stage_started(name)
+                    started = time.perf_counter()
                 yield
         except BaseException as e:
             self.view.stage_ended(name, time.perf_counter() - started, e.cause if isinstance(e, StageError) else e)

@@ -332,15 +332,16 @@ class RunRecorder:
             with self._flat_stage(name):
                 yield self
             return
-        self.stage_run = self.tracking.create_run(f"{name} · {self.name}", self.run_id, {"ballast.stage": name})
-        try:
+        try:  # a signal while MLflow creates the stage's run stopped this stage too
+            self.stage_run = self.tracking.create_run(f"{name} · {self.name}", self.run_id, {"ballast.stage": name})
             yield self
         except TrackingUnavailable:
             raise  # nothing can be recorded while the server is away; the flow says what to do
         except BaseException as e:
             signal = e if isinstance(e, RunInterrupted) else signal_behind(e)  # a signal, not an error
-            self.client.set_tag(self.stage_run, "ballast.error", f"{type(e).__name__}: {e}"[:4000])
-            self.client.set_terminated(self.stage_run, "FAILED" if signal is None else "KILLED")
+            if self.stage_run is not None:
+                self.client.set_tag(self.stage_run, "ballast.error", f"{type(e).__name__}: {e}"[:4000])
+                self.client.set_terminated(self.stage_run, "FAILED" if signal is None else "KILLED")
             if signal is not None:
                 self.signalled_stage = name
                 if signal is not e:
@@ -489,6 +490,7 @@ class RunRecorder:
             },
         )
         self.client.set_terminated(self.run_id, "KILLED")
+        self.tracking.kill_running_children(self.run_id)  # a stage run the signal left open (one it came while made)
         return stop
 
 

@@ -186,6 +186,17 @@ class Tracking:
         for i in range(0, len(items), 500):
             self.client.log_batch(run_id, metrics=items[i : i + 500])
 
+    def kill_running_children(self, run_id: str) -> int:
+        """Runs nested under `run_id` still RUNNING marked KILLED (a signal stopped their parent); how many."""
+        running = self.client.search_runs(
+            [self.experiment_id],
+            filter_string=f"tags.mlflow.parentRunId = '{run_id}' and attributes.status = 'RUNNING'",
+            max_results=1000,
+        )
+        for child in running:
+            self.client.set_terminated(child.info.run_id, "KILLED")
+        return len(running)
+
     def delete_run_tree(self, run_id: str) -> int:
         """Delete run `run_id` and every run nested under it, at any depth (MLflow's delete: they leave the UI and
         every search); how many were deleted."""

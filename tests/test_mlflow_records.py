@@ -201,6 +201,30 @@ def test_ctrl_c_under_a_library_error_stops_the_stage_as_killed_not_failed(track
         assert recorded.data.tags["ballast.error"] == "ValueError: Task run is not set"
 
 
+def test_a_signal_while_the_stage_run_is_created_stops_that_stage(tracking, monkeypatch):
+    """The stage's line is printed once its MLflow run exists; a SIGTERM that lands while MLflow creates it (seen in
+    CI: the line said 'stopped during a step' for a signal sent as the artifact probe started) still stops the stage
+    it was for, and the run's stop line names it."""
+    run = RunRecorder.start(tracking, tracking.spec, ForkSource())
+    create_run = tracking.create_run
+    created = []
+
+    def signalled_as_mlflow_answers(*args, **kwargs):
+        created.append(create_run(*args, **kwargs))
+        raise KeyboardInterrupt  # the signal, as the handler raises it, between MLflow's answer and the stage's block
+
+    monkeypatch.setattr(tracking, "create_run", signalled_as_mlflow_answers)
+    with pytest.raises(KeyboardInterrupt):
+        with run.stage("artifact-probe"):
+            raise AssertionError("the stage's block does not run")
+    assert run.signalled_stage == "artifact-probe"
+    assert run.stage_run is None
+    assert tracking.client.get_run(created[0]).info.status == "RUNNING"  # the stage never got its run's id
+    assert "during its artifact-probe stage" in str(run.interrupted(KeyboardInterrupt()))
+    assert tracking.client.get_run(created[0]).info.status == "KILLED"  # the run's stop closes what it left open
+    assert tracking.client.get_run(run.run_id).info.status == "KILLED"
+
+
 def test_a_library_error_with_no_signal_behind_it_fails_the_stage(tracking):
     """The other side: the same ValueError with no signal under it is the stage's failure (StageError, FAILED)."""
     from tasks.record import StageError

@@ -138,3 +138,41 @@ def test_a_server_stopped_before_it_answered_is_killed_at_once_and_its_project_s
     assert lines[0] == "first server: -9", done.stdout
     assert lines[1] == "flow: 7"
     assert lines[2] == "second server: -15", done.stdout  # SIGTERM: uvicorn stops, then ends by the signal
+
+
+# a command's end, in a process of its own: the embedded server, events still queued for it, the command's last line
+EVENTS_LEFT_AT_EXIT = """
+import sys
+from flows import runtime
+from flows.cli import quiet_libraries
+if sys.argv[2] == "quiet":
+    quiet_libraries()  # as `ballast` sets up every command
+runtime.prestart(sys.argv[1])
+runtime.wait_until_started()
+from prefect.events import emit_event
+for i in range(500):
+    emit_event(event="ballast.check", resource={"prefect.resource.id": f"ballast.check.{i}"})
+print("the command's last line", file=sys.stderr)
+"""
+
+
+def test_prefect_events_sent_at_exit_print_nothing_after_the_commands_last_line(tmp_path):
+    """A run stopped by a signal ends with the line that says how to continue it; Prefect's events worker, sending
+    what is still queued at interpreter exit, logged 'Still processing items: N items remaining...' after it (CI saw
+    it under a stopped run's line). With Ballast's logging it says nothing; without, it does (the case is real)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    ends = {}
+    for logging in ("quiet", "prefect's own"):
+        done = subprocess.run(
+            [sys.executable, "-c", EVENTS_LEFT_AT_EXIT, str(tmp_path / "project"), logging.split()[0]],
+            cwd=REPO,
+            env={**clean, "XDG_CACHE_HOME": str(tmp_path / "cache")},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        ends[logging] = lines[lines.index("the command's last line") :]
+    assert ends["quiet"] == ["the command's last line"]
+    assert any("Still processing items" in line for line in ends["prefect's own"][1:]), ends["prefect's own"]
