@@ -71,7 +71,7 @@ def _check_new_run(spec: ExperimentSpec) -> None:
 
     check_runnable(spec)
     if spec.infra.compute != "here" or spec.infra.nproc_per_node * spec.infra.num_nodes > 1:
-        _check_compute(spec)  # (its checks import tasks/remote.py, and torch with it)
+        _check_compute(spec)
 
 
 def _check_compute(spec) -> None:
@@ -179,7 +179,7 @@ def cmd_validate(args) -> int:
     (each user function called once on placeholder completions), the model's source and the device — refused the
     same way (one line, exit 2) in seconds, without torch; on success, what the run would do (exit 0). A fork
     source is checked too, which imports torch and reads the tracking store, and so is a placement on ranks or a
-    node (tasks/remote.py, torch with it)."""
+    node (tasks/remote.py's checks, without torch)."""
     from tasks.spec import load_spec
 
     if _is_sweep_file(args.spec):
@@ -526,7 +526,8 @@ def cmd_sync(args) -> int:
 def cmd_probe(args) -> int:
     _check_target(args.checkpoint)  # a mistyped path: one line before torch loads
     cfg, model_cfg, lora_cfg, spec = _probe_settings(args)
-    from tasks.probe import ProbeError, base_model_of, probe_checkpoint
+    from tasks.probe import base_model_of, probe_checkpoint
+    from tasks.results import ProbeError
 
     cache = (
         Path(args.cache_dir) if args.cache_dir else Path(spec.project_dir if spec else ".ballast") / "cache" / "probe"
@@ -612,7 +613,7 @@ def cmd_compare(args) -> int:
         raise UserError(f"--alpha {args.alpha}: give a significance level between 0 and 1, e.g. 0.01")
     _check_compare_tracking(args)  # a tracking server that is down: one line before torch and MLflow are imported
     from tasks.compare import compare, plot_comparison, resolve_target, write_comparison_html
-    from tasks.probe import ProbeError
+    from tasks.results import ProbeError
 
     probe_cfg = model_cfg = lora_cfg = None
     tracking = args.tracking_uri

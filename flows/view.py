@@ -29,9 +29,8 @@ from rich.console import Console
 
 from flows import runtime
 from tasks.checkpoint import CheckpointSet
-from tasks.eval import EvalResult
 from tasks.fork import ForkSource
-from tasks.results import STDERR, PipelineResult, ProbeReport, RunInterrupted, StopReason, TrainOutcome
+from tasks.results import STDERR, EvalResult, PipelineResult, ProbeReport, RunInterrupted, StopReason, TrainOutcome
 from tasks.train import Callbacks
 
 PIPED_LINES = 20  # about this many training-progress lines per run when output is piped

@@ -9,23 +9,14 @@ keep the per-prompt scores, so a trial and its baseline can be compared prompt b
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from tasks.checkpoint import fetch_checkpoint
+from tasks.results import EvalResult
 from tasks.spec import ExperimentSpec
 from trainer.data import load_datasets
 from trainer.evaluate import score_held_out
 from trainer.rewards import RewardComputer
-
-
-@dataclass
-class EvalResult:
-    checkpoint_uri: str
-    step: int  # the checkpoint's step: the final eval is logged at the run's last step
-    metrics: dict[str, float]  # eval/reward, eval/accuracy, eval/mean_length
-    samples: list[dict] = field(default_factory=list)  # eval.log_samples completions (trainer/samples.py rows)
-    per_prompt: dict[str, list[float]] = field(default_factory=dict, repr=False)  # reward/accuracy/length per prompt
 
 
 def eval_checkpoint(spec: ExperimentSpec, checkpoint_uri: str, cache_dir: Path) -> EvalResult:

@@ -48,7 +48,7 @@ from scipy.stats import binomtest, fisher_exact
 from transformers import AutoTokenizer
 
 from tasks.checkpoint import fetch_checkpoint
-from tasks.results import CI_LEVEL, Baseline, Check, ProbeReport, ProbeSample, PromptResult
+from tasks.results import CI_LEVEL, Baseline, Check, ProbeError, ProbeReport, ProbeSample, PromptResult
 from tasks.spec import ProbeConfig
 from trainer.checkpoint import Checkpoint, CheckpointError, fault_point
 from trainer.config import DataConfig, LoraConfig, ModelConfig, RewardConfig
@@ -63,10 +63,6 @@ DEFAULT_CACHE = Path(".ballast") / "cache" / "probe"
 DEFAULT_BASELINE_CACHE = Path(".ballast") / "cache" / "probe-baseline"
 BASELINE_CACHE_VERSION = 1  # bump when what a cached baseline holds, or how it is sampled, changes
 SHOW_DIFFS = 3  # examples quoted in a tokenizer-mismatch message
-
-
-class ProbeError(ValueError):
-    """The artifact cannot be probed at all (missing, incomplete, altered, unloadable); the message says why."""
 
 
 # ── probe prompts ──────────────────────────────────────────────────────────────────────────────────

@@ -52,12 +52,11 @@ from infra.mlflow_server import TrackingUnavailable
 from infra.store import open_store
 from tasks.checkpoint import CheckpointSet, checkpoint_prefix, resume_command
 from tasks.compare import Comparison
-from tasks.eval import EvalResult
 from tasks.fork import ForkSource
 from tasks.metrics_sink import PENDING, RECORD, Held, MetricsSink, now_ms, read_rows, step_metrics, sync_record
 from tasks.regression import RegressionResult
 from tasks.report import plot_history, write_run_report
-from tasks.results import PipelineResult, ProbeReport, RunInterrupted, RunStatus, StopReason, TrainOutcome
+from tasks.results import EvalResult, PipelineResult, ProbeReport, RunInterrupted, RunStatus, StopReason, TrainOutcome
 from tasks.spec import ExperimentSpec, dump_spec, flat_params, spec_hash, store_uri
 from tasks.tracking import GAIN_TAG, SWEPT_TAG, TAG, Tracking, run_name, user_name
 from trainer.callbacks import Callbacks

@@ -29,8 +29,8 @@ from pathlib import Path
 import yaml
 
 from tasks.compare import Comparison, compare, plot_comparison, pool_reports, read_history, write_comparison_html
-from tasks.probe import ProbeError, probe_checkpoint
-from tasks.results import ProbeFailure
+from tasks.probe import probe_checkpoint
+from tasks.results import ProbeError, ProbeFailure
 from tasks.spec import ExperimentSpec, load_spec, set_path
 from trainer.checkpoint import Checkpoint, CheckpointError, list_checkpoints
 from trainer.model import ensure_model

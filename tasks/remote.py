@@ -64,11 +64,8 @@ from infra.compute import (
 from infra.skypilot import REMOTE_SPEC_DIR
 from infra.store import ChecksumError, StoreUnavailable, open_store
 from tasks.checkpoint import CheckpointUploader, checkpoint_prefix, fetch_checkpoint
-from tasks.eval import EvalResult, eval_checkpoint
-from tasks.probe import ProbeError, probe_checkpoint, run_probe_args
-from tasks.results import ProbeReport, RunInterrupted, TrainOutcome
+from tasks.results import EvalResult, ProbeError, ProbeReport, RunInterrupted, TrainOutcome
 from tasks.spec import SpecError, dump_spec, load_spec, store_uri
-from tasks.train import run_training
 from trainer.callbacks import Callbacks
 from trainer.checkpoint import Checkpoint, CheckpointError, list_checkpoints, parse_step_dir, step_dir_name
 from trainer.config import InputError
@@ -396,6 +393,8 @@ def prepare_node(spec, run_id: str, run, source) -> int | None:
 def train_prepared(spec, run_id: str, run, source, restored: int | None) -> TrainOutcome:
     """Train the prepared run directory; under torchrun, only global rank 0 records (MLflow, the store, step lines,
     the outcome), as the trainer itself writes only on rank 0."""
+    from tasks.train import run_training
+
     if os.environ.get("RANK", "0") != "0":
         return run_training(spec, run.output_dir, [], source, resume=restored is not None, progress=False)
     files = RunFiles(run.store, run_id, run.output_dir)
@@ -427,6 +426,8 @@ def train_prepared(spec, run_id: str, run, source, restored: int | None) -> Trai
 def probe_node(spec, run_id: str, steps: Sequence[int]) -> list[ProbeReport]:
     """The artifact probe of run `run_id`'s stored checkpoints at `steps`, as the flow's process runs it; each
     report to the store (JSON and page)."""
+    from tasks.probe import probe_checkpoint, run_probe_args
+
     store, cache = open_store(store_uri(spec)), Path(spec.project_dir).resolve() / "cache" / run_id
     reports = []
     for step in steps:
@@ -447,6 +448,8 @@ def probe_node(spec, run_id: str, steps: Sequence[int]) -> list[ProbeReport]:
 def eval_node(spec, run_id: str, step: int) -> EvalResult:
     """The eval of run `run_id`'s stored checkpoint at `step`, as the flow's process runs it; the result (metrics,
     per-prompt scores, samples) to the store."""
+    from tasks.eval import eval_checkpoint
+
     store, cache = open_store(store_uri(spec)), Path(spec.project_dir).resolve() / "cache" / run_id
     uri = store.child_uri(checkpoint_prefix(run_id), step_dir_name(step))
     result = eval_checkpoint(spec, uri, cache / "eval")

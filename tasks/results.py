@@ -3,12 +3,16 @@ sweep all read the same objects (tasks/record.py records each):
 
 * `TrainOutcome` — the train stage's (tasks/train.py): the last step, why it stopped early, its history; and
   `RunInterrupted`, the signal that stopped it.
+* `EvalResult` — the eval stage's (tasks/eval.py): the held-out metrics of a checkpoint, per prompt too.
 * `ProbeReport` — the artifact probe's report (tasks/probe.py): what was probed, every sample with its reasons, the
   checks, and the verdict. Its JSON form (`to_dict`, `schema_version` 1, kind "ballast-probe-report") is what the
   pipeline, `ballast probe --json` and the regression flow write, and what `ballast compare` reads back
   (`from_dict`). Keys are stable; new keys may be added (`baseline`: the starting point probed alike, whose
   malformed rate the verdict is read against — `versus()`). `summary_lines()` is the terminal view, `write_html()`
-  the page (tasks/templates/probe_report.html).
+  the page (tasks/templates/probe_report.html). `ProbeError`: an artifact the probe cannot read at all.
+
+These types import nothing heavy (no torch): the node's entry point (tasks/remote.py) and the CLI's refusals read
+them without loading a model's libraries.
 * `PipelineResult` — what one pipeline run came to, built from the stage results by the recorder, returned by the
   pipeline flow, read by sweeps (objective values), the CLI and the run report.
 """
@@ -21,7 +25,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
-from tasks.eval import EvalResult
 from tasks.pages import render_page
 from trainer.health import REASON_MEANINGS, REASONS
 
@@ -95,7 +98,24 @@ class RunInterrupted(Exception):
         return 128 + int(signal.Signals[self.signal])
 
 
+# ── the eval stage's result ────────────────────────────────────────────────────────────────────────
+
+
+@dataclass
+class EvalResult:
+    checkpoint_uri: str
+    step: int  # the checkpoint's step: the final eval is logged at the run's last step
+    metrics: dict[str, float]  # eval/reward, eval/accuracy, eval/mean_length
+    samples: list[dict] = field(default_factory=list)  # eval.log_samples completions (trainer/samples.py rows)
+    per_prompt: dict[str, list[float]] = field(default_factory=dict, repr=False)  # reward/accuracy/length per prompt
+
+
 # ── the artifact probe's report ─────────────────────────────────────────────────────────────────────
+
+
+class ProbeError(ValueError):
+    """The artifact cannot be probed at all (missing, incomplete, altered, unloadable); the message says why."""
+
 
 SCHEMA_VERSION = 1
 REPORT_KIND = "ballast-probe-report"

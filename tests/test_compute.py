@@ -150,8 +150,9 @@ def test_a_bad_checkpoint_fails_the_probe_on_the_node_with_the_error_a_local_pro
 ):
     from infra.store import open_store
     from tasks.checkpoint import checkpoint_prefix
-    from tasks.probe import ProbeError, probe_checkpoint
+    from tasks.probe import probe_checkpoint
     from tasks.remote import open_compute, probe_on_node
+    from tasks.results import ProbeError
     from tasks.spec import store_uri
 
     _, _, clean = uninterrupted
@@ -230,7 +231,7 @@ def test_a_bad_node_job_file_is_one_line_and_exit_2(tmp_path):
 
 
 def test_a_nodes_error_is_raised_again_as_its_class_where_the_flow_knows_it():
-    from tasks.probe import ProbeError
+    from tasks.results import ProbeError
     from trainer.checkpoint import CheckpointError
 
     assert type(node_error("ProbeError", "cannot probe x")) is ProbeError

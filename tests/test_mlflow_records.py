@@ -10,10 +10,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tasks.checkpoint import CheckpointSet
-from tasks.eval import EvalResult
 from tasks.fork import ForkSource
 from tasks.record import RunRecorder
-from tasks.results import TrainOutcome
+from tasks.results import EvalResult, TrainOutcome
 from tasks.spec import load_spec
 from tasks.tracking import DEFAULT_UI_URL, EXPERIMENT_KIND, Tracking
 from tests.conftest import tiny_spec

@@ -205,7 +205,7 @@ def test_the_final_eval_stage_writes_its_rows_to_the_run_directory_too(tiny_mode
     """The final eval's samples reach the run directory's eval_samples.jsonl (issue 23 §10: they reached MLflow
     alone), after the rows in-training evals wrote, and the pipeline run's eval_samples.json mirrors that file: each
     row once, also when a resume records the final eval again."""
-    from tasks.eval import EvalResult
+    from tasks.results import EvalResult
 
     spec = load_spec(tiny_spec(tiny_model, project_dir=str(tmp_path)))
     tracking = Tracking(spec)
