@@ -59,7 +59,14 @@ def tiny_spec(model_path, **sections) -> dict:
             spec.setdefault(name, {}).update(value)
         else:
             spec[name] = value
+    if spec["rollout"].get("engine") == "vllm":  # a server a test starts: a machine busy with other test files is slow
+        spec["rollout"].setdefault("vllm_startup_timeout_s", VLLM_STARTUP_TIMEOUT_S)
     return spec
+
+
+# The seconds a vLLM server a test starts may take to answer: the default (240 s) is a user's machine; a 2-core one
+# running three test files at a time took over 240 s for a server that answered a few seconds later (CI, 2026-11-29).
+VLLM_STARTUP_TIMEOUT_S = 600
 
 
 # ── the `integration` marker ──────────────────────────────────────────────────────────────────────

@@ -19,7 +19,7 @@ import uuid
 import httpx
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, VLLM_STARTUP_TIMEOUT_S
 from tests.judge_server import USAGE, JudgeServer
 from trainer.config import RewardConfig
 from trainer.engines.base import Completion
@@ -467,7 +467,7 @@ def test_the_spec_refuses_a_key_in_reward_kwargs_without_echoing_it():
 # ------------------------------------------------------------------------------------------ a real server: vLLM
 
 EXAMPLE = REPO / "examples" / "quickstart-judge.yaml"
-STARTUP_TIMEOUT_S = 600
+STARTUP_TIMEOUT_S = VLLM_STARTUP_TIMEOUT_S
 
 
 def example_judge_kwargs() -> dict:

@@ -18,7 +18,7 @@ import torch
 from pydantic import ValidationError
 
 from tests import test_offline
-from tests.conftest import tiny_spec
+from tests.conftest import VLLM_STARTUP_TIMEOUT_S, tiny_spec
 from tests.test_trainer import assert_same_as_straight, cli, deterministic, read_jsonl, spec_file, trainer_for
 from trainer.checkpoint import list_checkpoints
 from trainer.config import TrainerConfig
@@ -28,7 +28,7 @@ from trainer.rollouts import RolloutBatch, StaleRolloutError, sampling_version
 
 SECTIONS = dict(optim={"steps": 6, "learning_rate": 3e-3}, checkpoint={"every": 3, "keep_last": 5})
 G = 4
-STARTUP_TIMEOUT_S = 600
+STARTUP_TIMEOUT_S = VLLM_STARTUP_TIMEOUT_S
 SAME_WEIGHTS = 1e-4  # engine vs trainer logprob under the same weights (fp32: ~1e-5 measured)
 
 

@@ -62,8 +62,16 @@ def piped_run(tiny_model, tmp_path_factory):
         capture_output=True,
         text=True,
         timeout=300,
-        env=env | {"PREFECT_HOME": str(project / "prefect")},
+        # Prefect's own server on the project's database; its 20 s start-up limit is too short for a 2-core machine
+        # running other test files (CI, 2026-11-29), and its telemetry would be an error line with no network
+        env=env
+        | {
+            "PREFECT_HOME": str(project / "prefect"),
+            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300",
+            "DO_NOT_TRACK": "1",
+        },
     )
+    assert read.returncode == 0 and "PREFECT" in read.stdout, read.stderr[-3000:]
     flow_runs = json.loads(read.stdout.split("PREFECT", 1)[1])
     return project, lines, flow_runs
 

@@ -25,7 +25,7 @@ import httpx
 import pytest
 import torch
 
-from tests.conftest import REPO, tiny_spec
+from tests.conftest import REPO, VLLM_STARTUP_TIMEOUT_S, tiny_spec
 from tests.vllm_faults import DroppedAdapter, ReloadedInPlace
 from trainer.config import TrainerConfig
 from trainer.engines.base import SamplingParams
@@ -33,7 +33,7 @@ from trainer.engines.vllm import ServedPolicyError, VLLMEngine, serve_checkpoint
 from trainer.engines.vllm_server import VLLMError, VLLMServer, process_group_members, server_device
 from trainer.loop import Callbacks, GRPOTrainer
 
-STARTUP_TIMEOUT_S = 600
+STARTUP_TIMEOUT_S = VLLM_STARTUP_TIMEOUT_S
 FP32_TOLERANCE = 1e-3  # engine vs trainer logprob, both fp32 (measured ~1e-5)
 TRAP_PROMPTS = [(23, 58), (41, 17)]
 
