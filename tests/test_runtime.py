@@ -44,6 +44,21 @@ def start_and_run(project: Path, cache: Path, **env: str) -> list[str]:
     return done.stdout.splitlines()
 
 
+def in_own_process(script: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """`script` run with the project tmp_path/project (and args), no test harness's API, the cache in tmp_path."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "project"), *args],
+        cwd=REPO,
+        env={**clean, "XDG_CACHE_HOME": str(tmp_path / "cache")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
 def rows(database: Path, table: str) -> int:
     with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as db:
         return db.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
@@ -124,20 +139,11 @@ def test_a_server_stopped_before_it_answered_is_killed_at_once_and_its_project_s
     10 s at exit; a server that never answered is killed (SIGKILL, status -9), one that served is stopped with
     SIGTERM (its own exit), and a project whose server was killed during its start runs flows the next time (no
     template in the cache: the second server creates the project's database itself)."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    done = subprocess.run(
-        [sys.executable, "-c", STOPPED_EARLY, str(tmp_path / "project")],
-        cwd=REPO,
-        env={**clean, "XDG_CACHE_HOME": str(tmp_path / "cache")},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    lines = done.stdout.splitlines()
-    assert lines[0] == "first server: -9", done.stdout
+    out = in_own_process(STOPPED_EARLY, tmp_path).stdout
+    lines = out.splitlines()
+    assert lines[0] == "first server: -9", out
     assert lines[1] == "flow: 7"
-    assert lines[2] == "second server: -15", done.stdout  # SIGTERM: uvicorn stops, then ends by the signal
+    assert lines[2] == "second server: -15", out  # SIGTERM: uvicorn stops, then ends by the signal
 
 
 # a command's end, in a process of its own: the embedded server, events still queued for it, the command's last line
@@ -160,18 +166,9 @@ def test_prefect_events_sent_at_exit_print_nothing_after_the_commands_last_line(
     """A run stopped by a signal ends with the line that says how to continue it; Prefect's events worker, sending
     what is still queued at interpreter exit, logged 'Still processing items: N items remaining...' after it (CI saw
     it under a stopped run's line). With Ballast's logging it says nothing; without, it does (the case is real)."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     ends = {}
     for logging in ("quiet", "prefect's own"):
-        done = subprocess.run(
-            [sys.executable, "-c", EVENTS_LEFT_AT_EXIT, str(tmp_path / "project"), logging.split()[0]],
-            cwd=REPO,
-            env={**clean, "XDG_CACHE_HOME": str(tmp_path / "cache")},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert done.returncode == 0, done.stderr[-2000:]
+        done = in_own_process(EVENTS_LEFT_AT_EXIT, tmp_path, logging.split()[0])
         lines = [line for line in done.stderr.splitlines() if line.strip()]
         ends[logging] = lines[lines.index("the command's last line") :]
     assert ends["quiet"] == ["the command's last line"]
