@@ -148,10 +148,17 @@ def _rank_main(rank: int, port: int, fn, args, out_dir: str) -> None:
         dd.close()
 
 
+# The ranks are forked from one forkserver per test process that has imported torch, the trainer and this module
+# once (a fresh interpreter per rank imported them again: ~5 s of a 2-core machine's CPU a rank, 18 ranks here). The
+# server has run no torch op, so no thread pool is forked; each rank still starts its own process and process group.
+RANK_PRELOAD = ["torch", "transformers", "peft", "trainer.model", "trainer.distributed", __name__]
+
+
 def spawn(fn, args: tuple, out_dir: Path) -> list:
     """Run fn(*args) on WORLD gloo ranks; each rank's return value."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_rank_main, args=(free_port(), fn, args, str(out_dir)), nprocs=WORLD, start_method="spawn")
+    mp.get_context("forkserver").set_forkserver_preload(RANK_PRELOAD)
+    mp.start_processes(_rank_main, args=(free_port(), fn, args, str(out_dir)), nprocs=WORLD, start_method="forkserver")
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
