@@ -17,8 +17,10 @@ last decode measurements and TRL first):
    GPU's dense bf16 peak), N the parameters in matmuls (LoRA weight gradients neglected); wall MFU counts 8N
    (generation 2N, reference 2N, forward + backward 4N). Then the decode alone, ms per token step at 64 and 256
    rows x 256 tokens (whole generate call / tokens, prefill included), on the trainer's own engine (its compiled
-   step, eager sampling) and on an engine over the same model that draws inside the compiled step
-   (`fused_sampling`, trainer/engines/fused.py), in the order 64 default, 64 fused, 256 fused, 256 default; against
+   step over the merged copy of the layers, trainer/engines/merged.py, eager sampling), on an engine over the same
+   model that also draws inside the compiled step (`fused_sampling`, trainer/engines/fused.py), and on that fused
+   engine through peft instead of the merged copy (the decode before the merge), in the order 64 default, 64 fused,
+   256 fused, 64 fused-peft, 256 default; against
    the HBM bound: the matmul weights' bytes / the memory bandwidth (H100 SXM 3.35 TB/s, H200 4.8 TB/s, from the
    device name), and weights + the static KV cache the attention reads each step.
 2. **trials**: concurrent LoRA trials (trainer/multi.py) at N = 1, 2, 4, each 4 trials of 2 steps (4 prompts x 8
@@ -216,9 +218,13 @@ def child_ballast(plan: Plan, model: Path, deadline: float, out: dict, save) -> 
         out["peak_gib"] = peak_gib(device)
         save()
         out["decode"] = {}
-        engines = {"default": runner.trainer.engine, "fused": fused_engine(runner.trainer, device)}
+        engines = {
+            "default": runner.trainer.engine,
+            "fused": fused_engine(runner.trainer, device, "always"),
+            "fused-peft": fused_engine(runner.trainer, device, "never"),
+        }
         small, large = plan.decode_rows
-        order = [(small, "default"), (small, "fused"), (large, "fused"), (large, "default")]
+        order = [(small, "default"), (small, "fused"), (large, "fused"), (small, "fused-peft"), (large, "default")]
         for i, (rows, kind) in enumerate(order):
             key = f"{rows} {kind}"
             if i and time.time() + plan.decode_large_s > deadline:  # a new shape or engine: a compile
@@ -231,11 +237,14 @@ def child_ballast(plan: Plan, model: Path, deadline: float, out: dict, save) -> 
             save()
 
 
-def fused_engine(trainer, device):
-    """An engine over the trainer's model that draws inside the compiled step (engines/fused.py)."""
+def fused_engine(trainer, device, merged: str):
+    """An engine over the trainer's model that draws inside the compiled step (engines/fused.py), through the merged
+    copy of the layers (engines/merged.py, 'always': on the CPU smoke run too) or through peft ('never')."""
     from trainer.engines.hf import HFEngine
 
-    return HFEngine(trainer.model, trainer.tokenizer, device, compile_decode="always", fused_sampling=True)
+    return HFEngine(
+        trainer.model, trainer.tokenizer, device, compile_decode="always", fused_sampling=True, merged_decode=merged
+    )
 
 
 def decode_ms(engine, plan: Plan, rows: int, device) -> dict:
@@ -270,7 +279,8 @@ def decode_ms(engine, plan: Plan, rows: int, device) -> dict:
         "first_s": first,
         "width": width,
         "peak_gib": peak_gib(device),
-        "path": "fused" if engine.fused_sampling else "compiled" if engine.decoder is not None else "eager",
+        "path": ("fused" if engine.fused_sampling else "compiled" if engine.decoder is not None else "eager")
+        + (", merged" if engine.merged is not None else ", peft"),
     }
 
 

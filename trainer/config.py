@@ -664,6 +664,15 @@ class RolloutConfig(Section):
         description="hf engine: compile the one-token decode step over a static KV cache (torch.compile "
         "'reduce-overhead', i.e. CUDA graphs); auto = on CUDA only. Costs a compile (~1 min) per run.",
     )
+    merged_decode: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="hf engine: decode through a copy of the model's layers with the LoRA adapter merged in and "
+        "q/k/v and gate/up fused (four matmuls a layer instead of peft's 21; trainer/engines/merged.py), refreshed "
+        "before each rollout. Llama, Mistral without a sliding window and Qwen2 models; others decode through the "
+        "model. Costs one copy of the layers' weights. auto = on CUDA where the copy takes at most a quarter of the "
+        "free memory (on CPU the decode through peft is kept: a sweep's concurrent trials, which cannot merge, then "
+        "sample exactly as the same trial alone).",
+    )
     concurrent_adapters: Literal["slices", "stacked"] = Field(
         "slices",
         description="hf engine, concurrent trials (sweep.concurrent_trials > 1): how the trials' rows take their "

@@ -249,7 +249,14 @@ class GRPOTrainer:
         if self.cfg.rollout.engine == "hf":
             from .engines.hf import HFEngine
 
-            return HFEngine(self.model, self.tokenizer, self.device, compile_decode=self.cfg.rollout.compile_decode)
+            rollout = self.cfg.rollout
+            return HFEngine(
+                self.model,
+                self.tokenizer,
+                self.device,
+                compile_decode=rollout.compile_decode,
+                merged_decode=rollout.merged_decode,
+            )
         if self.cfg.rollout.engine == "offline":
             from .engines.offline import OfflineEngine
 

@@ -37,6 +37,7 @@ import torch
 
 from .base import Completion, SamplingParams
 from .fused import decode_and_sample, sample_fused
+from .merged import MergedDecoder, copy_fits
 from .stacked import plain_lora_linears, stacked_for
 
 CACHE_LEN_BUCKET = 64  # compiled decode: cache lengths are rounded up to this, so runs reuse one graph
@@ -56,13 +57,16 @@ class HFEngine:
         stacked_lora: bool = False,
         lora_slots: int = 1,
         lora_rank: int = 0,
+        merged_decode: str = "never",
     ):
         """compile_decode: 'auto' (on CUDA), 'always' or 'never' — rollout.compile_decode. fused_sampling: with a
         compiled decode, draw each token inside the compiled step (engines/fused.py: the same distribution as the
         eager loop, another random stream); requests with per-row adapters keep the eager draw unless stacked_lora.
         stacked_lora: requests that name their adapters decode with every adapter stacked and a per-row slot
         (engines/stacked.py: one forward for all rows, inside the compiled step), room made for `lora_slots`
-        adapters of rank `lora_rank` at first; else with row slices or peft's per-row `adapter_names`."""
+        adapters of rank `lora_rank` at first; else with row slices or peft's per-row `adapter_names`. merged_decode:
+        'auto' (where the copy fits), 'always' or 'never' — rollout.merged_decode: requests under the model's active
+        adapter decode through a merged, fused copy of its layers (engines/merged.py)."""
         self.model, self.tokenizer, self.device = model, tokenizer, torch.device(device)
         self.static_cache = True  # False once a model turned out not to support it
         compiled = compile_decode == "always" or (compile_decode == "auto" and self.device.type == "cuda")
@@ -70,8 +74,13 @@ class HFEngine:
         self.fused_sampling = fused_sampling and compiled
         self.stacked_lora, self.lora_slots, self.lora_rank = stacked_lora, lora_slots, lora_rank
         self.stacked = None  # the StackedLora of the last call that used one (kept: its tensors' addresses stay)
+        self.merged_decode = merged_decode
+        self.merged: MergedDecoder | None = None  # built at the first rollout that can use it
+        self.merged_why = ""  # why the model decodes without it, once that is known
 
     def sync_weights(self, model, step: int) -> None:
+        if model is not self.model:
+            self.merged, self.merged_why = None, ""
         self.model = model
 
     def close(self) -> None:
@@ -104,7 +113,8 @@ class HFEngine:
         self.model.eval()
         try:
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), adapters:
-                new_tokens, logprobs = self._sample(input_ids, attention_mask, segments, per_row, by_request)
+                active = all(names is None for _, _, names in requests)  # the model's active adapter alone
+                new_tokens, logprobs = self._sample(input_ids, attention_mask, segments, per_row, by_request, active)
         finally:
             self.model.train(was_training)
         return _completions(rows, segments, new_tokens.cpu(), logprobs.cpu(), self.tokenizer, self._eos_ids())
@@ -131,7 +141,9 @@ class HFEngine:
             return None, by_request, _adapters_by_rows(self.model, [(s.rows, a) for s, a in zip(segments, by_request)])
         return {"adapter_names": names}, None, contextlib.nullcontext()
 
-    def _sample(self, input_ids, attention_mask, segments, per_row, by_request) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(
+        self, input_ids, attention_mask, segments, per_row, by_request, active_only: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(new tokens, logprobs) by the fastest path these requests allow: the draw inside the compiled step
         (fused_sampling), the static-cache loop (compiled or eager), or generate (stop strings, custom models)."""
         eos_ids, pad_id = self._eos_ids(), self.tokenizer.pad_token_id
@@ -139,10 +151,11 @@ class HFEngine:
             return _sample_segments_with_generate(
                 self.model, self.tokenizer, input_ids, attention_mask, segments, eos_ids, per_row
             )
+        model = self._merged() if active_only else self.model
         try:
             if self.fused_sampling and per_row is None and by_request is None:
                 return sample_fused(
-                    self.model,
+                    model,
                     input_ids,
                     attention_mask,
                     segments,
@@ -157,7 +170,7 @@ class HFEngine:
             for segment in segments:
                 segment.generators = _generators(segment.params.seeds, self.device)
             return sample(
-                self.model,
+                model,
                 input_ids,
                 attention_mask,
                 segments[0].params,
@@ -177,6 +190,24 @@ class HFEngine:
             return _sample_segments_with_generate(
                 self.model, self.tokenizer, input_ids, attention_mask, segments, eos_ids, per_row
             )
+
+    def _merged(self):
+        """The merged decoder, brought up to the model's weights, when rollout.merged_decode allows one; else the
+        model itself."""
+        if self.merged_decode == "never" or self.merged_why:
+            return self.model
+        if self.merged is None:
+            if self.merged_decode == "auto" and self.device.type != "cuda":
+                self.merged_why = "auto decodes merged on CUDA only"
+                return self.model
+            self.merged, self.merged_why = MergedDecoder.build(self.model)
+            if self.merged is not None and self.merged_decode == "auto" and not copy_fits(self.merged, self.device):
+                self.merged, self.merged_why = None, "its copy of the weights would not fit in the free memory"
+            if self.merged is None:
+                if self.merged_decode == "always":
+                    warnings.warn(f"rollout.merged_decode: {self.merged_why}; decoding through the model", stacklevel=4)
+                return self.model
+        return self.merged.ready()
 
 
 def _check_requests(requests) -> None:
@@ -312,12 +343,10 @@ class CompiledDecoder:
         return -(-needed // CACHE_LEN_BUCKET) * CACHE_LEN_BUCKET
 
     def cache(self, model, rows: int, length: int, device: torch.device):
-        from transformers import StaticCache
-
         key = (id(model), rows, length, str(device))
         cache = self.caches.get(key)
         if cache is None:  # kept, not replaced: a graph recorded over a cache must find it at the same address
-            cache = self.caches[key] = StaticCache(config=model.config, max_cache_len=length)
+            cache = self.caches[key] = _new_cache(model, rows, length, device)
         else:
             cache.reset()
         return cache
@@ -402,13 +431,11 @@ def sample(
 def _prefill(model, input_ids, attention_mask, n_new: int, decoder: CompiledDecoder | None, per_row: dict):
     """The prompts' forward into a static cache long enough for n_new tokens (the decoder's own, kept between calls,
     with a compiled decode): (its output, the attention mask over the whole cache, the cache)."""
-    from transformers import StaticCache
-
     rows, width = input_ids.shape
     device = input_ids.device
     if decoder is None:
         cache_len = width + n_new
-        cache = StaticCache(config=model.config, max_cache_len=cache_len)
+        cache = _new_cache(model, rows, cache_len, device)
     else:
         cache_len = decoder.cache_len(width + n_new)
         cache = decoder.cache(model, rows, cache_len, device)
@@ -425,6 +452,15 @@ def _prefill(model, input_ids, attention_mask, n_new: int, decoder: CompiledDeco
         **per_row,
     )
     return out, mask, cache
+
+
+def _new_cache(model, rows: int, length: int, device):
+    """A static KV cache for `model`: the merged decoder's own, or transformers' StaticCache."""
+    if isinstance(model, MergedDecoder):
+        return model.new_cache(rows, length, device)
+    from transformers import StaticCache
+
+    return StaticCache(config=model.config, max_cache_len=length)
 
 
 def _still_running(running, chosen, eos, segments: list[Segment], t: int) -> torch.Tensor:
