@@ -15,7 +15,10 @@ last decode measurements and TRL first):
 1. **ballast**: GRPO steps (1 warm-up, where the compile falls, + 3 timed): s/step, rollout and update seconds,
    peak GPU memory (torch max allocated), update MFU = 4N x rows x (prompt + completion tokens) / (update s x the
    GPU's dense bf16 peak), N the parameters in matmuls (LoRA weight gradients neglected); wall MFU counts 8N
-   (generation 2N, reference 2N, forward + backward 4N). Then the decode alone, ms per token step at 64 and 256
+   (generation 2N, reference 2N, forward + backward 4N). Then one more step, untimed, with torch's allocation
+   history on (`torch.cuda.memory._record_memory_history`): the tensors alive at its peak, summed by where they
+   were allocated (the innermost frame outside torch <- the innermost frame in this repository), the largest
+   twelve as table rows — the trace of the peak that bench/README.md's 4.7 GiB above TRL lacked. Then the decode alone, ms per token step at 64 and 256
    rows x 256 tokens (whole generate call / tokens, prefill included), on the trainer's own engine (its compiled
    step over the merged copy of the layers, trainer/engines/merged.py, eager sampling), on an engine over the same
    model that also draws inside the compiled step (`fused_sampling`, trainer/engines/fused.py), and on that fused
@@ -91,6 +94,7 @@ class Plan:
     # seconds a section leaves to the later ones: the ballast section's last decode measurements go first
     reserve_s: tuple[tuple[str, float], ...] = (("ballast", 175.0),)
     decode_large_s: float = 90.0  # a decode measurement after the first compiles anew: skipped with less time left
+    trace_s: float = 120.0  # the memory trace (one more step with allocation history on): skipped with less left
 
 
 SMOKE = Plan(
@@ -217,6 +221,12 @@ def child_ballast(plan: Plan, model: Path, deadline: float, out: dict, save) -> 
             save()
         out["peak_gib"] = peak_gib(device)
         save()
+        if device.type == "cuda" and time.time() + plan.trace_s < deadline:
+            try:
+                out["trace"] = trace_step(runner, device)
+            except Exception as e:  # the decode measurements still run
+                out["trace"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            save()
         out["decode"] = {}
         engines = {
             "default": runner.trainer.engine,
@@ -235,6 +245,70 @@ def child_ballast(plan: Plan, model: Path, deadline: float, out: dict, save) -> 
             except Exception as e:  # the other measurements still run
                 out["decode"][key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             save()
+
+
+def trace_step(runner, device, top: int = 12) -> dict:
+    """One more step (not timed, not in the records) with torch's allocation history on: the tensors alive at the
+    step's peak, summed by where they were allocated (`peak_sites`)."""
+    import torch
+
+    sync(device)
+    records = list(runner.records)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    try:
+        runner.run_step()
+        sync(device)
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+        runner.records[:] = records
+    traced = peak_sites(snapshot["device_traces"][device.index or 0], top)
+    traced.update(before_gib=before / 2**30, peak_gib=torch.cuda.max_memory_allocated(device) / 2**30)
+    return traced
+
+
+def peak_sites(events: list[dict], top: int) -> dict:
+    """From a CUDA allocation trace (torch.cuda.memory._snapshot()["device_traces"][i]): the bytes allocated within
+    the trace and alive at its highest point, by site (the innermost frame outside torch, and the innermost frame
+    in this repository), the `top` largest: {"traced_peak_gib", "sites": [[site, GiB], ...]}."""
+    freed = {"free_completed", "free"}
+    current = best = best_at = 0
+    sizes: dict[int, int] = {}
+    for i, e in enumerate(events):  # first pass: when the peak falls
+        if e["action"] == "alloc":
+            sizes[e["addr"]] = e["size"]
+            current += e["size"]
+            if current > best:
+                best, best_at = current, i
+        elif e["action"] in freed and e["addr"] in sizes:
+            current -= sizes.pop(e["addr"])
+    live: dict[int, tuple[int, str]] = {}
+    for e in events[: best_at + 1]:  # second pass: what is alive then
+        if e["action"] == "alloc":
+            live[e["addr"]] = (e["size"], _site(e.get("frames") or []))
+        elif e["action"] in freed:
+            live.pop(e["addr"], None)
+    by_site: dict[str, int] = {}
+    for size, site in live.values():
+        by_site[site] = by_site.get(site, 0) + size
+    ranked = sorted(by_site.items(), key=lambda kv: -kv[1])[:top]
+    return {"traced_peak_gib": best / 2**30, "sites": [[site, size / 2**30] for site, size in ranked]}
+
+
+def _site(frames: list[dict]) -> str:
+    """'<innermost frame outside torch> <- <innermost frame in this repository>' (frames innermost first)."""
+
+    def where(f: dict) -> str:
+        return f"{Path(f['filename']).name}:{f['line']} {f['name']}"
+
+    outside = next((f for f in frames if "/torch/" not in f["filename"]), None)
+    ours = next((f for f in frames if str(REPO) in f["filename"]), None)
+    parts = [where(f) for f in (outside, ours) if f is not None]
+    if len(parts) == 2 and parts[0] == parts[1]:
+        parts = parts[:1]
+    return " <- ".join(parts) or "(no Python frame)"
 
 
 def fused_engine(trainer, device, merged: str):
@@ -513,6 +587,7 @@ def table(plan: Plan, gpu: str, info: dict, results: dict) -> list[str]:
             "<= TRL",
             status(None not in (bp, tp) and bp <= tp),
         )
+    trace_rows(ballast.get("trace"), add)
     if b and peak:
         update_mfu = 4 * n * rows * seq / (b["update"] * peak * 1e12)
         wall_mfu = 8 * n * rows * seq / (b["s"] * peak * 1e12)
@@ -554,6 +629,25 @@ def decode_rows(plan: Plan, info: dict, ballast: dict, bw: float | None, add) ->
             f"<= {target} ms" if target else "",
             status(d["ms"] <= target) if target else "",
         )
+
+
+def trace_rows(trace: dict | None, add) -> None:
+    """The traced step: its peak, and the largest sites of what was alive then (allocated within the step)."""
+    if not trace:
+        return
+    if "error" in trace:
+        add("memory", "traced step", "FAILED", trace["error"], "", "")
+        return
+    add(
+        "memory",
+        "traced step: peak GiB (held before it + allocated within it at its peak)",
+        f"{trace['peak_gib']:.1f}",
+        f"{trace['before_gib']:.1f} + {trace['traced_peak_gib']:.1f}",
+        "",
+        "",
+    )
+    for site, gib in trace["sites"]:
+        add("memory", f"at the peak: {site}", f"{gib:.2f} GiB", "", "", "")
 
 
 def trial_rows(plan: Plan, trials: dict, add) -> None:
