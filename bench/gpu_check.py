@@ -19,11 +19,10 @@ last decode measurements and TRL first):
    history on (`torch.cuda.memory._record_memory_history`): the tensors alive at its peak, summed by where they
    were allocated (the innermost frame outside torch <- the innermost frame in this repository), the largest
    twelve as table rows — the trace of the peak that bench/README.md's 4.7 GiB above TRL lacked. Then the decode alone, ms per token step at 64 and 256
-   rows x 256 tokens (whole generate call / tokens, prefill included), on the trainer's own engine (its compiled
-   step over the merged copy of the layers, trainer/engines/merged.py, eager sampling), on an engine over the same
-   model that also draws inside the compiled step (`fused_sampling`, trainer/engines/fused.py), and on that fused
-   engine through peft instead of the merged copy (the decode before the merge), in the order 64 default, 64 fused,
-   256 fused, 64 fused-peft, 256 default; against
+   rows x 256 tokens (whole generate call / tokens, prefill included), on the trainer's own engine (on a GPU by
+   default its compiled step over the merged copy of the layers, trainer/engines/merged.py, with the draw inside
+   the step, trainer/engines/fused.py) and on one over the same model through peft's forward instead (the
+   trainer's decode before the merge), in the order 64 default, 256 default, 64 peft, 256 peft; against
    the HBM bound: the matmul weights' bytes / the memory bandwidth (H100 SXM 3.35 TB/s, H200 4.8 TB/s, from the
    device name), and weights + the static KV cache the attention reads each step.
 2. **trials**: concurrent LoRA trials (trainer/multi.py) at N = 1, 2, 4, each 4 trials of 2 steps (4 prompts x 8
@@ -203,7 +202,8 @@ def settings(plan: Plan, **changes):
     from trl_step_time import Settings
 
     fields = dict(prompts_per_step=plan.prompts, num_generations=plan.generations, max_tokens=plan.max_tokens)
-    return Settings(**(fields | {"dtype": plan.dtype} | changes))
+    merged = "always" if plan.device == "cpu" else "auto"  # the smoke run decodes merged as a GPU does
+    return Settings(**(fields | {"dtype": plan.dtype, "merged_decode": merged} | changes))
 
 
 def child_ballast(plan: Plan, model: Path, deadline: float, out: dict, save) -> None:
@@ -228,13 +228,9 @@ def child_ballast(plan: Plan, model: Path, deadline: float, out: dict, save) -> 
                 out["trace"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             save()
         out["decode"] = {}
-        engines = {
-            "default": runner.trainer.engine,
-            "fused": fused_engine(runner.trainer, device, "always"),
-            "fused-peft": fused_engine(runner.trainer, device, "never"),
-        }
+        engines = {"default": runner.trainer.engine, "peft": peft_engine(runner.trainer, device)}
         small, large = plan.decode_rows
-        order = [(small, "default"), (small, "fused"), (large, "fused"), (small, "fused-peft"), (large, "default")]
+        order = [(small, "default"), (large, "default"), (small, "peft"), (large, "peft")]
         for i, (rows, kind) in enumerate(order):
             key = f"{rows} {kind}"
             if i and time.time() + plan.decode_large_s > deadline:  # a new shape or engine: a compile
@@ -311,13 +307,13 @@ def _site(frames: list[dict]) -> str:
     return " <- ".join(parts) or "(no Python frame)"
 
 
-def fused_engine(trainer, device, merged: str):
-    """An engine over the trainer's model that draws inside the compiled step (engines/fused.py), through the merged
-    copy of the layers (engines/merged.py, 'always': on the CPU smoke run too) or through peft ('never')."""
+def peft_engine(trainer, device):
+    """An engine over the trainer's model as the trainer's own was before the merged decode: compiled, the draw
+    inside the step (engines/fused.py), through peft's forward (merged_decode never)."""
     from trainer.engines.hf import HFEngine
 
     return HFEngine(
-        trainer.model, trainer.tokenizer, device, compile_decode="always", fused_sampling=True, merged_decode=merged
+        trainer.model, trainer.tokenizer, device, compile_decode="always", fused_sampling=True, merged_decode="never"
     )
 
 

@@ -97,6 +97,7 @@ class Settings:
     seed: int = 0
     dtype: str = "float32"  # weights and compute of both (bench/gpu_step.py runs bfloat16)
     compile_decode: str = "auto"  # Ballast's rollout.compile_decode (auto: compiled on CUDA)
+    merged_decode: str = "auto"  # Ballast's rollout.merged_decode (auto: on CUDA where the copy fits)
     target_ratio: float = 0.5  # the goal: Ballast's step <= this x TRL's
 
     @property
@@ -161,6 +162,7 @@ def ballast_config(s: Settings, model_path: Path, device: torch.device, mode: st
             max_tokens=s.max_tokens,
             seed=s.seed,
             compile_decode=s.compile_decode,
+            merged_decode=s.merged_decode,
             min_tokens=s.max_tokens if mode == "fixed64" else 0,
         ),
         optim=OptimConfig(

@@ -60,3 +60,29 @@ def test_min_tokens_and_the_repetition_penalty_reach_the_compiled_draw(fused):
         assert all(len(c.token_ids) == TOKENS and eos not in c.token_ids[:-1] for c in completions)
         distinct[penalty] = sum(len(set(c.token_ids)) for c in completions)
     assert distinct[3.0] > distinct[1.0]  # penalised rows repeat themselves less
+
+
+def test_the_trainer_draws_inside_the_compiled_step_unless_told_not_to(tiny_model, tmp_path):
+    from tests.conftest import tiny_spec
+    from trainer.config import TrainerConfig
+    from trainer.loop import GRPOTrainer
+
+    def engine(**rollout):
+        cfg = TrainerConfig.model_validate(tiny_spec(tiny_model, rollout=rollout))
+        return GRPOTrainer(cfg, tmp_path / str(len(list(tmp_path.iterdir()))), progress=False).engine
+
+    assert engine(compile_decode="always").fused_sampling  # auto: wherever the decode is compiled
+    assert not engine(compile_decode="always", fused_sampling="never").fused_sampling
+    assert not engine().fused_sampling  # CPU, compile_decode auto: not compiled, so not fused
+
+
+def test_fused_sampling_always_without_a_compiled_decode_is_refused_naming_both_fields(tiny_model):
+    from pydantic import ValidationError
+
+    from tests.conftest import tiny_spec
+    from trainer.config import TrainerConfig
+
+    with pytest.raises(ValidationError, match="rollout.fused_sampling: always .* rollout.compile_decode is never"):
+        TrainerConfig.model_validate(
+            tiny_spec(tiny_model, rollout={"fused_sampling": "always", "compile_decode": "never"})
+        )

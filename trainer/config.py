@@ -664,6 +664,14 @@ class RolloutConfig(Section):
         description="hf engine: compile the one-token decode step over a static KV cache (torch.compile "
         "'reduce-overhead', i.e. CUDA graphs); auto = on CUDA only. Costs a compile (~1 min) per run.",
     )
+    fused_sampling: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="hf engine: draw each token inside the compiled decode step (temperature, top-k/top-p/min-p, "
+        "repetition penalty, min_tokens and the draw as per-row tensor code, Gumbel-max over counter-based noise "
+        "from (prompt seed, row, step): one graph replay a token, no host work; trainer/engines/fused.py). The same "
+        "distribution as the eager draw, another random stream, as reproducible and resumable. auto = wherever the "
+        "decode is compiled (rollout.compile_decode); always needs a compiled decode.",
+    )
     merged_decode: Literal["auto", "always", "never"] = Field(
         "auto",
         description="hf engine: decode through a copy of the model's layers with the LoRA adapter merged in and "
@@ -680,6 +688,15 @@ class RolloutConfig(Section):
         "step); 'stacked': every adapter stacked with a per-row slot, two dense matmuls a layer inside the compiled "
         "decode step (trainer/engines/stacked.py). Equal for every trial of a sweep.",
     )
+
+    @model_validator(mode="after")
+    def _fused_needs_a_compiled_decode(self):
+        if self.fused_sampling == "always" and self.compile_decode == "never":
+            raise ValueError(
+                "rollout.fused_sampling: always draws inside the compiled decode step, and rollout.compile_decode is "
+                "never; set rollout.compile_decode: always (or auto on CUDA), or rollout.fused_sampling: auto"
+            )
+        return self
 
     @model_validator(mode="after")
     def _min_tokens_fit(self):

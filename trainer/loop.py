@@ -255,6 +255,7 @@ class GRPOTrainer:
                 self.tokenizer,
                 self.device,
                 compile_decode=rollout.compile_decode,
+                fused_sampling=rollout.fused_sampling != "never",  # with a compiled decode: auto and always
                 merged_decode=rollout.merged_decode,
             )
         if self.cfg.rollout.engine == "offline":
