@@ -204,6 +204,10 @@ def test_a_trial_with_another_base_model_is_refused_naming_the_field(tiny_model)
         check_concurrent(offline, None, "a")
     with pytest.raises(InputError, match=r"trial b: rollout.concurrent_adapters is 'stacked' but the running"):
         check_concurrent(stacked_cfg(tiny_model, "b"), first, "b")
+    unfused = trial_cfg(tiny_model, "b")
+    unfused.rollout.fused_sampling = "never"
+    with pytest.raises(InputError, match=r"trial b: rollout.fused_sampling is 'never' but the running trials' is"):
+        check_concurrent(unfused, first, "b")
     served, other_server = trial_cfg(tiny_model, "a"), trial_cfg(tiny_model, "b")
     for cfg in (served, other_server):
         cfg.rollout.engine = "vllm"

@@ -190,12 +190,13 @@ def check_concurrent(cfg: TrainerConfig, first: TrainerConfig | None, name: str)
         )
     if first is None:
         return
-    if cfg.rollout.concurrent_adapters != first.rollout.concurrent_adapters:
-        raise InputError(
-            f"trial {name}: rollout.concurrent_adapters is {cfg.rollout.concurrent_adapters!r} but the running "
-            f"trials' is {first.rollout.concurrent_adapters!r}; the trials decode in one batch one way — do not "
-            f"search over rollout.concurrent_adapters, {fix}"
-        )
+    for key in DECODE_FIELDS:  # one engine decodes every trial's rows
+        mine, theirs = getattr(cfg.rollout, key), getattr(first.rollout, key)
+        if mine != theirs:
+            raise InputError(
+                f"trial {name}: rollout.{key} is {mine!r} but the running trials' is {theirs!r}; the trials decode "
+                f"in one batch one way — do not search over rollout.{key}, {fix}"
+            )
     mine, theirs = _server_fields(cfg), _server_fields(first)
     if cfg.rollout.engine == "vllm" and mine != theirs:
         key = next(k for k in mine if mine[k] != theirs[k])
@@ -210,6 +211,9 @@ def check_concurrent(cfg: TrainerConfig, first: TrainerConfig | None, name: str)
             f"trial {name}: model.{key} is {mine[key]!r} but the running trials' is {theirs[key]!r}; concurrent "
             f"trials share one base model — do not search over the model section, {fix}"
         )
+
+
+DECODE_FIELDS = ("concurrent_adapters", "compile_decode", "fused_sampling")  # the shared HF engine's settings
 
 
 def _server_fields(cfg: TrainerConfig) -> dict:
@@ -388,7 +392,7 @@ class ConcurrentTrials:
                 job.cfg.model,
                 compile_decode=job.cfg.rollout.compile_decode,
                 stacked_lora=self.stacked_lora or job.cfg.rollout.concurrent_adapters == "stacked",
-                fused_sampling=self.fused_sampling,
+                fused_sampling=self.fused_sampling or job.cfg.rollout.fused_sampling != "never",
                 slots=self.slots,
                 max_lora_rank=self.max_lora_rank,
             )
