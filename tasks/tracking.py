@@ -168,9 +168,19 @@ class Tracking:
         return out
 
     def set_tags(self, run_id: str, tags: dict) -> None:
+        """Tags onto a run, `ballast.` before keys of no namespace. Safe when several processes tag one run (a
+        sweep's workers tag its parent run): MLflow reads the tag and then inserts it, so a second writer between
+        the two fails on the store's unique key; by then the row exists, and writing again updates it."""
         for k, v in tags.items():
-            if v is not None:
-                self.client.set_tag(run_id, k if k.startswith((TAG, "mlflow.", "prefect.")) else TAG + k, str(v))
+            if v is None:
+                continue
+            key = k if k.startswith((TAG, "mlflow.", "prefect.")) else TAG + k
+            try:
+                self.client.set_tag(run_id, key, str(v))
+            except MlflowException as e:
+                if not written_concurrently(e):
+                    raise
+                self.client.set_tag(run_id, key, str(v))
 
     def log_params(self, run_id: str, params: dict[str, str]) -> None:
         items = [Param(k, v) for k, v in params.items()]
@@ -271,6 +281,25 @@ def connection_failure(error: BaseException) -> BaseException | None:
             return error
         error, seen = error.__cause__ or error.__context__, seen + 1
     return None
+
+
+# what SQLite, PostgreSQL and MySQL say when an insert breaks a unique key (a tracking server returns it as text)
+UNIQUE_KEY_REFUSALS = ("UNIQUE constraint failed", "duplicate key value violates unique constraint", "Duplicate entry")
+
+
+def written_concurrently(error: BaseException) -> bool:
+    """An insert that lost a race to another writer of the same row: the store's unique key refused it (SQLite,
+    PostgreSQL, MySQL through SQLAlchemy; a tracking server passes the database's message on)."""
+    from sqlalchemy.exc import IntegrityError  # MLflow's own dependency
+
+    if any(m in str(error) for m in UNIQUE_KEY_REFUSALS):
+        return True
+    seen = 0
+    while error is not None and seen < 6:
+        if isinstance(error, IntegrityError):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
 
 
 class _Guarded:

@@ -235,3 +235,31 @@ def test_a_library_error_with_no_signal_behind_it_fails_the_stage(tracking):
             raise ValueError("Task run is not set")
     assert run.signalled_stage == "train"  # as it was: no signal stopped this stage
     assert tracking.client.get_run(stage_id).info.status == "FAILED"
+
+
+def test_writers_tagging_one_run_at_once_all_succeed_and_the_tag_holds_one_of_their_values(tracking):
+    """A sweep's workers tag its parent run (the baseline, the summary) at the same moments; MLflow's set_tag reads
+    the tag and then inserts it, so the second writer used to fail on the store's unique key (CI, 2026-12-06: a
+    Postgres sweep's second worker exited 1 recording the baseline both had measured)."""
+    import threading
+
+    run_id = tracking.create_run("tagged-by-many")
+    keys, writers = [f"k{j}" for j in range(20)], 4
+    barrier, errors = threading.Barrier(writers), []
+
+    def write(i: int) -> None:
+        for key in keys:
+            barrier.wait()  # every writer sets the same new tag at once
+            try:
+                tracking.set_tags(run_id, {key: f"writer {i}"})
+            except Exception as e:  # noqa: BLE001 - collected, asserted below
+                errors.append(f"{type(e).__name__}: {str(e)[:120]}")
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    tags = tracking.tags(run_id)
+    assert all(tags["ballast." + key] in {f"writer {i}" for i in range(writers)} for key in keys)
