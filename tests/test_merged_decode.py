@@ -148,7 +148,10 @@ def test_the_engine_samples_the_same_tokens_merged_as_through_peft(policy):
     assert merged.merged is not None  # it decoded merged
     assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
     assert [c.finish_reason for c in ours] == [c.finish_reason for c in theirs]
-    assert max(abs(x - y) for a, b in zip(ours, theirs) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    # a logprob is z_label - logsumexp(z): within twice the logits' gap. A flat 1e-5 failed at 1.0014e-5 in the
+    # whole suite (one torch thread per worker, another summation order than alone)
+    gap = max(abs(x - y) for a, b in zip(ours, theirs) for x, y in zip(a.logprobs, b.logprobs))
+    assert gap <= 2 * bound(model, prompts)
 
 
 def test_the_copy_follows_an_optimizer_step_and_disable_adapter(tiny_model):
