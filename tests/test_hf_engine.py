@@ -59,8 +59,46 @@ def test_one_compiled_graph_serves_calls_with_other_prompt_widths(compiled):
     widths = {max(map(len, prompts)) for prompts, _, _ in calls}
     assert len(widths) == 2  # the two calls really had different prompt widths
     assert frames == 1  # and compiled once: the cache length is bucketed
-    (cache_len,) = {key[2] for key in engine.decoder.caches}
+    (cache_len,) = {length for length, _ in engine.decoder.caches.values()}
     assert cache_len % CACHE_LEN_BUCKET == 0 and cache_len >= max(widths) + 40
+
+
+def test_the_decoder_keeps_one_cache_per_row_count_grown_to_its_longest_call_and_two_row_counts_at_most(policy):
+    """A run whose prompt widths vary used to keep a cache, and a graph, per width bucket for the rest of the run."""
+    from trainer.engines.hf import MAX_KEPT_CACHES, CompiledDecoder
+
+    model, _ = policy
+    decoder, cpu = CompiledDecoder(), torch.device("cpu")
+    first, length = decoder.cache(model, 8, 70, cpu)
+    assert length == 2 * CACHE_LEN_BUCKET
+    assert decoder.cache(model, 8, 30, cpu) == (first, length)  # shorter: the same cache, at the same address
+    grown, longer = decoder.cache(model, 8, 200, cpu)
+    assert grown is not first and longer == 4 * CACHE_LEN_BUCKET and len(decoder.caches) == 1  # replaced, not added
+    assert decoder.cache(model, 8, 70, cpu) == (grown, longer)  # and it serves the short calls from then on
+    for rows in (16, 4):
+        decoder.cache(model, rows, 70, cpu)
+    assert len(decoder.caches) == MAX_KEPT_CACHES == 2
+    assert {rows for _, rows, _ in decoder.caches} == {16, 4}  # the least recently used (8 rows) went first
+
+
+def test_a_call_decoding_over_a_cache_grown_by_a_longer_one_draws_what_the_eager_loop_draws(policy):
+    """The decode step compiled, a wide call first: the narrow call after it runs over the wide call's cache (its
+    mask hiding the positions it does not reach) and draws the eager loop's tokens and logprobs."""
+    model, tokenizer = policy
+    compiled = HFEngine(model, tokenizer, "cpu", compile_decode="always")
+    eager = HFEngine(model, tokenizer, "cpu", compile_decode="never")
+    examples = arith_examples(4, seed=5)
+    params = SamplingParams(n=4, max_tokens=12, seed=3)  # 16 rows, as the fixture's calls: no other row count
+    compiled.generate([render_prompt(tokenizer, e.prompt * 40) for e in examples], params)  # a wider bucket
+    ((length, _),) = compiled.decoder.caches.values()
+    narrow = [render_prompt(tokenizer, e.prompt) for e in examples]
+    width = max(map(len, narrow))
+    assert length > compiled.decoder.cache_len(width + params.max_tokens)  # really a longer cache than it needs
+    ours = [c for g in compiled.generate(narrow, params) for c in g]
+    theirs = [c for g in eager.generate(narrow, params) for c in g]
+    assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
+    assert max(abs(x - y) for a, b in zip(ours, theirs) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    assert len(compiled.decoder.caches) == 1
 
 
 def test_compile_decode_auto_compiles_on_cuda_only(policy):

@@ -43,6 +43,7 @@ from .merged import MergedDecoder, copy_fits
 from .stacked import plain_lora_linears, stacked_for
 
 CACHE_LEN_BUCKET = 64  # compiled decode: cache lengths are rounded up to this, so runs reuse one graph
+MAX_KEPT_CACHES = 2  # compiled decode: (model, rows) shapes whose KV cache is kept between calls
 STOP_CHECK_EVERY = 8  # compiled decode: tokens between checks that every row ended (each check syncs the GPU)
 
 
@@ -329,29 +330,40 @@ def _processors(params: SamplingParams, eos_ids: list[int]):
 
 class CompiledDecoder:
     """The one-token decode step, compiled once per model (torch.compile mode "reduce-overhead": CUDA graphs on
-    a GPU, inductor kernels on CPU), and the static KV cache it runs over, kept between calls and reset in place
-    (graphs replay on fixed addresses, so the cache must not move). The cache length is rounded up to a multiple
-    of CACHE_LEN_BUCKET, so a run whose prompt widths vary still replays one graph; prefill stays eager (its shape
-    changes with the prompts). In fp32 it draws the same tokens as the eager loop (tests/test_hf_engine.py on
-    CPU, bench/gpu_step.py on a GPU); ending is checked every STOP_CHECK_EVERY tokens, not every token, since a
-    check waits for the GPU."""
+    a GPU, inductor kernels on CPU), and the static KV caches it runs over, kept between calls and reset in place
+    (graphs replay on fixed addresses, so a cache must not move). In fp32 it draws the same tokens as the eager loop
+    (tests/test_hf_engine.py on CPU, bench/gpu_step.py on a GPU); ending is checked every STOP_CHECK_EVERY tokens,
+    not every token, since a check waits for the GPU; prefill stays eager (its shape changes with the prompts).
+
+    One cache per model and number of rows, at most MAX_KEPT_CACHES of them (the least recently used goes), each as
+    long as the longest call it served, rounded up to a multiple of CACHE_LEN_BUCKET: a shorter call reuses it (its
+    mask hides the rest), a longer one replaces it. So a run whose prompt widths vary holds one cache, and compiles
+    one graph per growth, where a cache per width held one more cache (a 0.5B Llama's 64 rows x 320 positions: 1
+    GiB in bf16) and compiled one more graph for each width bucket it met, never freeing either; past torch's
+    recompile limit (8) it would have decoded eagerly."""
 
     def __init__(self):
         self.step_fns: dict[int, object] = {}
-        self.caches: dict[tuple, object] = {}
+        self.caches: dict[tuple, tuple[int, object]] = {}  # (model, rows, device) -> (length, cache); newest last
         self.fused_fn = None
 
     def cache_len(self, needed: int) -> int:
         return -(-needed // CACHE_LEN_BUCKET) * CACHE_LEN_BUCKET
 
-    def cache(self, model, rows: int, length: int, device: torch.device):
-        key = (id(model), rows, length, str(device))
-        cache = self.caches.get(key)
-        if cache is None:  # kept, not replaced: a graph recorded over a cache must find it at the same address
-            cache = self.caches[key] = _new_cache(model, rows, length, device)
-        else:
+    def cache(self, model, rows: int, needed: int, device: torch.device) -> tuple[object, int]:
+        """A kept cache of `rows` rows at least `needed` positions long, reset, and its length."""
+        key = (id(model), rows, str(device))
+        length, cache = self.caches.pop(key, (0, None))
+        if length >= needed:
             cache.reset()
-        return cache
+        else:
+            cache = None  # the outgrown cache is freed before its successor is made, which can reuse its memory
+            while len(self.caches) >= MAX_KEPT_CACHES:
+                self.caches.pop(next(iter(self.caches)))
+            length = self.cache_len(needed)
+            cache = _new_cache(model, rows, length, device)
+        self.caches[key] = (length, cache)  # put back last: the most recently used
+        return cache, length
 
     def step(self, model):
         fn = self.step_fns.get(id(model))
@@ -439,8 +451,7 @@ def _prefill(model, input_ids, attention_mask, n_new: int, decoder: CompiledDeco
         cache_len = width + n_new
         cache = _new_cache(model, rows, cache_len, device)
     else:
-        cache_len = decoder.cache_len(width + n_new)
-        cache = decoder.cache(model, rows, cache_len, device)
+        cache, cache_len = decoder.cache(model, rows, width + n_new, device)
     mask = torch.zeros(rows, cache_len, dtype=attention_mask.dtype, device=device)
     mask[:, :width] = attention_mask
     out = model(
