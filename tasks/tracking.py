@@ -271,16 +271,17 @@ def probe_report_of_run(uri: str, run_id: str, curves: list[str]) -> tuple[dict,
 # ── a client that says when the server went away ─────────────────────────────────────────────────────────
 
 
+def _causes(error: BaseException | None, depth: int = 6):
+    """The error and the ones behind it (__cause__, else __context__), `depth` at most."""
+    while error is not None and depth > 0:
+        yield error
+        error, depth = error.__cause__ or error.__context__, depth - 1
+
+
 def connection_failure(error: BaseException) -> BaseException | None:
     """The network error behind an MlflowException (refused, timed out, retries exhausted), or None."""
-    seen = 0
-    while error is not None and seen < 6:
-        if isinstance(
-            error, (requests.exceptions.ConnectionError, requests.exceptions.Timeout, requests.exceptions.RetryError)
-        ):
-            return error
-        error, seen = error.__cause__ or error.__context__, seen + 1
-    return None
+    network = (requests.exceptions.ConnectionError, requests.exceptions.Timeout, requests.exceptions.RetryError)
+    return next((e for e in _causes(error) if isinstance(e, network)), None)
 
 
 # what SQLite, PostgreSQL and MySQL say when an insert breaks a unique key (a tracking server returns it as text)
@@ -292,14 +293,9 @@ def written_concurrently(error: BaseException) -> bool:
     PostgreSQL, MySQL through SQLAlchemy; a tracking server passes the database's message on)."""
     from sqlalchemy.exc import IntegrityError  # MLflow's own dependency
 
-    if any(m in str(error) for m in UNIQUE_KEY_REFUSALS):
-        return True
-    seen = 0
-    while error is not None and seen < 6:
-        if isinstance(error, IntegrityError):
-            return True
-        error, seen = error.__cause__ or error.__context__, seen + 1
-    return False
+    return any(m in str(error) for m in UNIQUE_KEY_REFUSALS) or any(
+        isinstance(e, IntegrityError) for e in _causes(error)
+    )
 
 
 class _Guarded:
