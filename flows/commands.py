@@ -738,6 +738,7 @@ def cmd_sweep(args) -> int:
     sweep = load_sweep(args.file, args.set)  # a bad sweep file or --set fails here, before any study or run exists
     if args.workers and base_spec(sweep).get("infra", {}).get("compute", "here") != "here":
         _check_worker_nodes(sweep, args.storage)
+    _check_storage_opens(sweep, args.storage)
     runtime.prestart(base_spec(sweep).get("project_dir", ".ballast"))
     from flows.sweep import ballast_sweep
     from flows.trials.interrupts import interrupts_said_once
@@ -834,6 +835,15 @@ def _check_worker_nodes(sweep, storage: str | None) -> None:
         check_worker_placement(validate_spec(base_spec(sweep), "sweep base spec"), storage or sweep.storage)
     except ComputeError as e:
         raise UserError(str(e)) from None
+
+
+def _check_storage_opens(sweep, storage: str | None) -> None:
+    """The study storage opened once before the flow starts: a database that does not answer or a URL it cannot
+    read is refused in one line (SweepError, exit 2), not as the failed flow's logged traceback after the server
+    started."""
+    from sweeps.study import make_storage, study_storage
+
+    make_storage(study_storage(sweep, storage)).remove_session()
 
 
 def _check_storage_flag(url: str | None) -> None:

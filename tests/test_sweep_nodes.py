@@ -161,6 +161,29 @@ def test_a_study_storage_skypilot_workers_could_not_reach_is_refused_in_one_line
     assert not project.exists() and not (tmp_path / "optuna.db").exists()  # no study, no node, nothing written
 
 
+@pytest.mark.parametrize(
+    "storage, message",
+    [
+        (f"{PG}/ballast_no_such_database", 'database "ballast_no_such_database" does not exist'),
+        ("postgresql://postgres@127.0.0.1:1/sweeps", "port 1 failed"),  # nothing listens there
+    ],
+)
+def test_a_study_storage_that_does_not_open_is_refused_in_one_line_before_the_flow_starts(
+    tmp_path, capsys, storage, message
+):
+    from flows.cli import main
+
+    project = tmp_path / "project"
+    path = write_sweep(
+        tmp_path / "sweep.yaml", {"name": "t", "model": {"name_or_path": "m"}, "project_dir": str(project)}
+    )
+    assert main(["sweep", str(path), "--storage", storage]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: cannot open the Optuna storage") and message in err
+    assert len(err.splitlines()) == 1  # no flow ran: no Prefect traceback of its failure
+    assert not project.exists()  # nor any Prefect or MLflow store started
+
+
 def test_a_placement_a_node_could_not_use_is_refused_for_sweep_workers_too(tmp_path, capsys):
     from flows.cli import main
 
