@@ -42,6 +42,14 @@ def positional_only(c, a, p):
     return [0.0] * len(c)
 
 
+def without_prompts(completions, answers):
+    return [1.0 if c == a else 0.0 for c, a in zip(completions, answers)]
+
+
+def completions_only(completions, country):
+    return [float(len(c) > 1) for c in completions]
+
+
 NOT_A_FUNCTION = 3
 
 

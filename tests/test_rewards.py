@@ -10,6 +10,7 @@ import pytest
 
 from tasks.spec import SpecError, load_spec
 from trainer.config import RewardConfig
+from trainer.data import Example
 from trainer.rewards import REGISTRY, RewardComputer, RewardError, check_rewards, is_correctness, register, resolve
 
 REPO = Path(__file__).resolve().parent.parent
@@ -134,8 +135,20 @@ def test_invalid_kwarg_values_are_rejected():
 
 
 def test_user_function_with_other_parameter_names_is_rejected():
-    with pytest.raises(ValueError, match="name its data parameters completions, answers, prompts"):
+    with pytest.raises(ValueError, match=r"takes \(c, a, p\), no 'completions'.* name its data parameters completions"):
         resolve(RewardConfig(name="tests.reward_fixtures:positional_only"))
+
+
+def test_a_user_function_is_given_only_the_batch_parameters_it_names():
+    rc = RewardComputer(
+        [
+            RewardConfig(name="tests.reward_fixtures:without_prompts"),
+            RewardConfig(name="tests.reward_fixtures:completions_only"),
+        ]
+    )
+    _, parts = rc(["7", "12"], ["7", "8"], ["3+4=", "4+4="], country=["FR", "PE"])
+    assert parts == {"without_prompts": [1.0, 0.0], "completions_only": [0.0, 1.0]}
+    rc.trial([Example(prompt="3+4=", answer="7", columns={"country": "FR"})])  # the check before the model, too
 
 
 def test_register_adds_a_builtin_and_refuses_a_duplicate():

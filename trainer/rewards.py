@@ -6,8 +6,9 @@ A reward function is called with keyword arguments and returns one float per com
 
 where `kwargs` are the spec's `rewards[i].kwargs` and the data's other columns (trainer/data.py), one value per
 completion, as TRL passes a dataset's columns: a function gets the columns it names as parameters, or every
-column when it takes **kwargs (built-ins take none). A prompt is a string or, for chat rows, a list of messages;
-an answer is a string or, for rows with several accepted answers, a list of them (the built-ins accept any one).
+column when it takes **kwargs (built-ins take none). Answers and prompts likewise: `fn(completions, answers)` is
+not given the prompts; `completions` it must take. A prompt is a string or, for chat rows, a list of messages; an
+answer is a string or, for rows with several accepted answers, a list of them (the built-ins accept any one).
 Completions of the same prompt are contiguous groups of G (grpo.num_generations), so a judge-style reward can
 score a group relative to itself. Arguments are passed by name, so a TRL-style `fn(prompts, completions,
 **kwargs)` also works (it finds the answers in kwargs['answers']).
@@ -72,6 +73,7 @@ import re
 import sys
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from .config import InputError, RewardConfig, reward_component_names
@@ -336,9 +338,16 @@ def resolve(
         kwargs["group_size"] = group_size
     if signature is not None:
         # a user function's required parameters may be the data's columns: checked in RewardComputer.trial
+        data = DATA_PARAMS if name in REGISTRY else parameters_of(fn).data
+        if "completions" not in data:
+            raise ValueError(
+                f"{where}: {name!r} takes {signature}, no 'completions': reward functions are given the batch by "
+                "name, so name its data parameters completions (and answers, prompts, the data's columns, if it "
+                "reads them) or take **kwargs"
+            )
         bind = signature.bind if name in REGISTRY else signature.bind_partial
         try:
-            bind(completions=[], answers=[], prompts=[], **kwargs)
+            bind(**dict.fromkeys(data, []), **kwargs)
         except TypeError as e:
             raise ValueError(
                 f"{where}: {name!r} cannot be called with kwargs={kwargs!r} ({e}); it takes "
@@ -376,15 +385,26 @@ def _refuse_swallowed_kwargs(fn, signature: inspect.Signature, cfg: RewardConfig
 DATA_PARAMS = ("completions", "answers", "prompts")
 
 
-def column_params(fn) -> tuple[frozenset[str], bool]:
-    """(the parameter names of a reward callable, whether it takes **kwargs): which data columns it receives."""
+@dataclass(frozen=True)
+class Takes:
+    """What a reward callable is given: those of DATA_PARAMS it takes (all of them with **kwargs, or when its
+    signature cannot be read), the data columns it names, and whether it takes every column (**kwargs)."""
+
+    data: tuple[str, ...] = DATA_PARAMS
+    columns: frozenset[str] = frozenset()
+    all_columns: bool = False
+
+
+def parameters_of(fn) -> Takes:
     target = fn.func if isinstance(fn, functools.partial) else fn
     try:
         params = inspect.signature(target).parameters.values()
     except (TypeError, ValueError):
-        return frozenset(), False
+        return Takes()
     names = frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
-    return names - set(DATA_PARAMS), any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    every = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    data = DATA_PARAMS if every else tuple(k for k in DATA_PARAMS if k in names)
+    return Takes(data, names - set(DATA_PARAMS), every)
 
 
 component_names = reward_component_names  # metric names of the components (trainer/config.py)
@@ -458,9 +478,8 @@ class RewardComputer:
         self.user_defined = {n: c.name for n, c in zip(self.names, cfgs) if c.name not in REGISTRY}
         self.group_size = group_size
         self.takes = {
-            n: ((frozenset(), False) if c.name in REGISTRY else column_params(fn))
-            for n, c, fn in zip(self.names, cfgs, self.fns)
-        }  # the data columns each receives: built-ins none, a user function its own
+            n: (Takes() if c.name in REGISTRY else parameters_of(fn)) for n, c, fn in zip(self.names, cfgs, self.fns)
+        }  # what each is given: built-ins the batch and no column, a user function what it names
         self.step_metrics: dict[str, float] = {}  # what reward objects' metrics() gave for the last batch
 
     def accuracy_name(self, eval_reward: str | None = None) -> str | None:
@@ -489,8 +508,8 @@ class RewardComputer:
         return total, per_component
 
     def _score(self, name: str, fn, completions, answers, prompts, columns: dict) -> list[float]:
-        params, takes_all = self.takes[name]
-        given = {k: list(v) for k, v in columns.items() if takes_all or k in params}
+        takes = self.takes[name]
+        given = {k: list(v) for k, v in columns.items() if takes.all_columns or k in takes.columns}
         bound = fn.keywords if isinstance(fn, functools.partial) else {}
         clash = next((k for k in given if k in bound), None)
         if clash is not None:
@@ -500,7 +519,8 @@ class RewardComputer:
                 "rename the column or drop the kwarg"
             )
         try:
-            raw = fn(completions=list(completions), answers=list(answers), prompts=list(prompts), **given)
+            batch = {"completions": completions, "answers": answers, "prompts": prompts}
+            raw = fn(**{k: list(batch[k]) for k in takes.data}, **given)
         except Exception as e:
             if name not in self.user_defined:
                 raise
