@@ -337,30 +337,35 @@ def resolve(
     if signature is not None and "group_size" in signature.parameters and "group_size" not in kwargs:
         kwargs["group_size"] = group_size
     if signature is not None:
-        # a user function's required parameters may be the data's columns: checked in RewardComputer.trial
-        data = DATA_PARAMS if name in REGISTRY else parameters_of(fn).data
-        if "completions" not in data:
-            raise ValueError(
-                f"{where}: {name!r} takes {signature}, no 'completions': reward functions are given the batch by "
-                "name, so name its data parameters completions (and answers, prompts, the data's columns, if it "
-                "reads them) or take **kwargs"
-            )
-        bind = signature.bind if name in REGISTRY else signature.bind_partial
-        try:
-            bind(**dict.fromkeys(data, []), **kwargs)
-        except TypeError as e:
-            raise ValueError(
-                f"{where}: {name!r} cannot be called with kwargs={kwargs!r} ({e}); it takes "
-                f"{signature}: give {where}.kwargs only its keyword parameters, and name its "
-                "data parameters completions, answers, prompts (they are passed by name)"
-            ) from None
-        _refuse_swallowed_kwargs(fn, signature, cfg, where)
+        _check_call(fn, signature, cfg, kwargs, where)
     if name in REGISTRY:
         try:
             fn(completions=[], answers=[], prompts=[], **kwargs)  # built-ins validate their kwargs first
         except ValueError as e:
             raise ValueError(f"{where}.kwargs: {e}") from None
     return functools.partial(fn, **kwargs)
+
+
+def _check_call(fn, signature: inspect.Signature, cfg: RewardConfig, kwargs: dict, where: str) -> None:
+    """The function can be called with the batch (the data parameters it takes, by name) and the spec's kwargs; a
+    user function's required parameters may also be the data's columns: those are checked in RewardComputer.trial."""
+    builtin = cfg.name in REGISTRY
+    data = DATA_PARAMS if builtin else parameters_of(fn).data
+    if "completions" not in data:
+        raise ValueError(
+            f"{where}: {cfg.name!r} takes {signature}, no 'completions': reward functions are given the batch by "
+            "name, so name its data parameters completions (and answers, prompts, the data's columns, if it "
+            "reads them) or take **kwargs"
+        )
+    try:
+        (signature.bind if builtin else signature.bind_partial)(**dict.fromkeys(data, []), **kwargs)
+    except TypeError as e:
+        raise ValueError(
+            f"{where}: {cfg.name!r} cannot be called with kwargs={kwargs!r} ({e}); it takes "
+            f"{signature}: give {where}.kwargs only its keyword parameters, and name its "
+            "data parameters completions, answers, prompts (they are passed by name)"
+        ) from None
+    _refuse_swallowed_kwargs(fn, signature, cfg, where)
 
 
 def _refuse_swallowed_kwargs(fn, signature: inspect.Signature, cfg: RewardConfig, where: str) -> None:
