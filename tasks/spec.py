@@ -489,6 +489,10 @@ def describe_validation_error(e: ValidationError, unknown_hint: str, model: type
         if not isinstance(value, (dict, list)):
             shown = repr(value)
             msg += f" (got {shown[:80] + '...' if len(shown) > 80 else shown})"
+        if err["type"] == "string_type" and isinstance(value, (bool, int, float)):  # YAML's off, no, yes, 1.10
+            kind = "a boolean" if isinstance(value, bool) else "a number"
+            key = err["loc"][-1]
+            msg += f'; YAML reads that bare word as {kind}: quote it ({key}: "..." in a file, --set \'{key}="..."\')'
     more = f" (+{len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
     return msg.replace("\n", " ") + more
 

@@ -73,6 +73,12 @@ def offline(spec: dict) -> None:
 
 
 CASES = [
+    Case(  # YAML 1.1 reads a bare off / no / yes as a boolean
+        "a name YAML reads as a boolean",
+        "field 'name': Input should be a valid string (got False); YAML reads that bare word as a boolean: quote it "
+        '(name: "..." in a file, --set \'name="..."\')',
+        raw="{spec}name: off\n",
+    ),
     # ── found by the audit (issue 11 §5) ──────────────────────────────────────────────────────────
     Case(
         "trajectory token ids outside the vocabulary",
