@@ -268,12 +268,19 @@ def _tool_commands(command) -> None:
         default="127.0.0.1",
         help="interface to serve on (default 127.0.0.1; 0.0.0.0 to reach the UIs from other machines)",
     )
-    p.add_argument("--mlflow-port", type=int, default=5000, help="MLflow UI port (default 5000)")
-    p.add_argument("--prefect-port", type=int, default=4200, help="Prefect UI port (default 4200)")
+    p.add_argument("--mlflow-port", type=_port, default=5000, help="MLflow UI port (default 5000)")
+    p.add_argument("--prefect-port", type=_port, default=4200, help="Prefect UI port (default 4200)")
 
     command("metrics", "every metric name and what it means")
     p = command("spec-schema", "every spec field: its type, default and meaning, section by section")
     p.add_argument("--json", action="store_true", help="the spec as a JSON schema document, for programs")
+
+
+def _port(text: str) -> int:
+    """A TCP port to serve on: 1 to 65535 (0, "any free port", would print an address nobody can know)."""
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port; give a number from 1 to 65535")
+    return int(text)
 
 
 def _version() -> str:

@@ -1025,13 +1025,24 @@ def cmd_ui(args) -> int:
 def _refuse_taken_port(host: str, port: int, flag: str) -> None:
     """A UI port something else listens on is refused before anything starts: its health check would answer, and the
     printed address would show that other server's runs."""
+    import errno
     import socket
 
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-        except OSError as e:
+        except (socket.gaierror, OSError) as e:
+            if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:
+                raise UserError(
+                    f"--host {host}: not a name or address of this machine ({e.strerror}); give one of its "
+                    "interfaces: 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)"
+                ) from None
+            if e.errno == errno.EACCES:
+                raise UserError(
+                    f"{flag} {port}: serving on a port below 1024 needs root ({e.strerror}); choose a port from 1024 "
+                    f"up with {flag} N"
+                ) from None
             raise UserError(
                 f"{flag} {port}: the port is in use on {_shown_host(host)} ({e.strerror}; another `ballast ui` or "
                 f"server?); stop it, or choose a free port with {flag} N"

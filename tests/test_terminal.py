@@ -201,6 +201,27 @@ def test_ballast_ui_refuses_a_port_in_use_with_one_line_naming_the_flag(tmp_path
     ]
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--mlflow-port", "99999"], "error: ballast ui: argument --mlflow-port: '99999' is not a port; give a number"),
+        (["--prefect-port", "0"], "error: ballast ui: argument --prefect-port: '0' is not a port; give a number"),
+        (["--host", "nowhere.invalid"], "error: --host nowhere.invalid: not a name or address of this machine ("),
+        (["--host", "192.0.2.1"], "error: --host 192.0.2.1: not a name or address of this machine ("),  # TEST-NET-1
+    ],
+)
+def test_ballast_ui_refuses_a_port_or_host_it_cannot_serve_on_with_one_line(tmp_path, args, message):
+    """Not a traceback from socket.bind (OverflowError for 99999), nor 'the port is in use' for a host that is not
+    this machine's; port 0 would serve on a port nobody is told."""
+    import sqlite3
+
+    sqlite3.connect(tmp_path / "mlflow.db").close()
+    argv = [sys.executable, "-c", CLI, "ui", "--project-dir", str(tmp_path), *args]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert len(lines(done.stderr)) == 1 and lines(done.stderr)[0].startswith(message), done.stderr
+
+
 @pytest.mark.parametrize("concurrent", [1, 2])
 def test_ctrl_c_in_a_terminal_stops_ballast_sweep_with_one_line_and_no_traceback(tiny_model, tmp_path, concurrent):
     """`ballast sweep` (trials one at a time, or two at once over one base model): ^C while a trial trains stops it
