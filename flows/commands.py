@@ -899,6 +899,8 @@ def cmd_launch(args) -> int:
     from infra.skypilot import LaunchError, launch, plan_launch, sky_launch_command, write_task_yaml
     from tasks.spec import dump_spec, load_spec
 
+    if args.idle_minutes is not None and args.idle_minutes < 0:
+        raise UserError(f"--idle-minutes {args.idle_minutes}: give 0 or more (leave it out for no autostop)")
     spec = load_spec(args.spec, args.set)
     out_dir = Path(spec.project_dir) / "launch"
     try:
@@ -919,7 +921,8 @@ def cmd_launch(args) -> int:
         print(f"note:   {note}")
     print(f"task:   {task_yaml}")
     if args.dryrun:
-        print(f"dry run: nothing launched. By hand:  {sky_launch_command(plan, task_yaml, args.down)}")
+        by_hand = sky_launch_command(plan, task_yaml, args.down, args.idle_minutes)
+        print(f"dry run: nothing launched. By hand:  {by_hand}")
         return 0
     try:
         job_id = launch(plan, spec_file, down=args.down, idle_minutes_to_autostop=args.idle_minutes)

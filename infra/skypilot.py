@@ -195,12 +195,15 @@ def write_task_yaml(plan: LaunchPlan, spec_file: Path, out: Path) -> Path:
     return out
 
 
-def sky_launch_command(plan: LaunchPlan, task_yaml: Path, down: bool) -> str:
+def sky_launch_command(plan: LaunchPlan, task_yaml: Path, down: bool, idle_minutes: int | None = None) -> str:
+    """The `sky launch` line that does by hand what `launch` does (the secrets' values from the environment)."""
     parts = ["sky", "launch", "-c", plan.name, str(task_yaml)]
     for name in plan.secret_names:
         parts += ["--secret", name]
     if down:
         parts.append("--down")
+    if idle_minutes is not None:
+        parts += ["--idle-minutes-to-autostop", str(idle_minutes)]
     return shlex.join(parts)
 
 

@@ -3,6 +3,8 @@ pipeline as the run command over the validated spec, the trainer/vLLM GPU split,
 name, never written. Nothing is provisioned here (no cloud or Kubernetes can be reached): `--dryrun`
 and SkyPilot's own task schema are the real components under test."""
 
+import shlex
+
 import pytest
 import yaml
 
@@ -28,9 +30,26 @@ def spec_file(tmp_path, **changes):
 
 def test_dryrun_writes_a_task_skypilot_accepts_running_the_validated_spec(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_TOKEN", "hf_sekret_value")
-    assert main(["launch", str(spec_file(tmp_path)), "--dryrun", "--set", "optim.steps=200"]) == 0
+    argv = [
+        "launch",
+        str(spec_file(tmp_path)),
+        "--dryrun",
+        "--set",
+        "optim.steps=200",
+        "--down",
+        "--idle-minutes",
+        "30",
+    ]
+    assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "sky launch -c ballast-big-run-1 " in out and "--secret HF_TOKEN" in out
+    by_hand = shlex.split(out.split("By hand:")[1].strip())
+    assert by_hand[:4] == ["sky", "launch", "-c", "ballast-big-run-1"]
+    import sky.client.cli.command as sky_cli
+
+    parsed = sky_cli.launch.make_context("launch", by_hand[2:]).params  # read by SkyPilot's own CLI, not run
+    assert (parsed["cluster"], parsed["down"], parsed["idle_minutes_to_autostop"]) == ("ballast-big-run-1", True, 30)
+    assert parsed["entrypoint"] == (str(tmp_path / "project" / "launch" / "ballast-big-run-1.sky.yaml"),)
+    assert [name for name, _ in parsed["secret"]] == ["HF_TOKEN"]  # its value from the environment, as launch's
     task_yaml = tmp_path / "project" / "launch" / "ballast-big-run-1.sky.yaml"
     config = yaml.safe_load(task_yaml.read_text())
     task = to_sky_task(config)  # SkyPilot's own schema validation
@@ -128,3 +147,10 @@ def test_plan_refuses_a_malformed_accelerator_string_before_skypilot():
     spec = load_spec({**SPEC, "infra": {"accelerators": "two H200s"}})
     with pytest.raises(LaunchError, match="infra.accelerators='two H200s'"):
         plan_launch(spec, REPO, dump_spec=dump_spec)
+
+
+def test_negative_idle_minutes_are_refused_in_one_line_before_anything_is_written(tmp_path, capsys):
+    assert main(["launch", str(spec_file(tmp_path)), "--dryrun", "--idle-minutes", "-5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --idle-minutes -5: give 0 or more (leave it out for no autostop)"
+    assert not (tmp_path / "project").exists()
