@@ -1027,7 +1027,8 @@ def cmd_ui(args) -> int:
 
 def _refuse_taken_port(host: str, port: int, flag: str) -> None:
     """A UI port something else listens on is refused before anything starts: its health check would answer, and the
-    printed address would show that other server's runs."""
+    printed address would show that other server's runs. So are a host that is not this machine's and a port only
+    root may serve on, each named as what it is."""
     import errno
     import socket
 
@@ -1035,7 +1036,7 @@ def _refuse_taken_port(host: str, port: int, flag: str) -> None:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-        except (socket.gaierror, OSError) as e:
+        except OSError as e:  # socket.gaierror (a name that does not resolve) among them
             if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:
                 raise UserError(
                     f"--host {host}: not a name or address of this machine ({e.strerror}); give one of its "

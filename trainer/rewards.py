@@ -350,7 +350,7 @@ def _check_call(fn, signature: inspect.Signature, cfg: RewardConfig, kwargs: dic
     """The function can be called with the batch (the data parameters it takes, by name) and the spec's kwargs; a
     user function's required parameters may also be the data's columns: those are checked in RewardComputer.trial."""
     builtin = cfg.name in REGISTRY
-    data = DATA_PARAMS if builtin else parameters_of(fn).data
+    data = takes_of(cfg.name, fn).data
     if "completions" not in data:
         raise ValueError(
             f"{where}: {cfg.name!r} takes {signature}, no 'completions': reward functions are given the batch by "
@@ -398,6 +398,12 @@ class Takes:
     data: tuple[str, ...] = DATA_PARAMS
     columns: frozenset[str] = frozenset()
     all_columns: bool = False
+
+
+def takes_of(name: str, fn) -> Takes:
+    """What the reward `name` (as the rewards list gives it) is given: a built-in the whole batch and no column, a
+    user function what its signature names."""
+    return Takes() if name in REGISTRY else parameters_of(fn)
 
 
 def parameters_of(fn) -> Takes:
@@ -482,9 +488,7 @@ class RewardComputer:
         self.given = [c.name for c in cfgs]  # as the rewards list names them ('module:function' for user functions)
         self.user_defined = {n: c.name for n, c in zip(self.names, cfgs) if c.name not in REGISTRY}
         self.group_size = group_size
-        self.takes = {
-            n: (Takes() if c.name in REGISTRY else parameters_of(fn)) for n, c, fn in zip(self.names, cfgs, self.fns)
-        }  # what each is given: built-ins the batch and no column, a user function what it names
+        self.takes = {n: takes_of(c.name, fn) for n, c, fn in zip(self.names, cfgs, self.fns)}
         self.step_metrics: dict[str, float] = {}  # what reward objects' metrics() gave for the last batch
 
     def accuracy_name(self, eval_reward: str | None = None) -> str | None:
