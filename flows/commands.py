@@ -612,7 +612,7 @@ def cmd_compare(args) -> int:
     if not 0 < args.alpha < 1:  # before anything loads
         raise UserError(f"--alpha {args.alpha}: give a significance level between 0 and 1, e.g. 0.01")
     _check_compare_tracking(args)  # a tracking server that is down: one line before torch and MLflow are imported
-    from tasks.compare import compare, plot_comparison, resolve_target, write_comparison_html
+    from tasks.compare import compare, format_differences, plot_comparison, resolve_target, write_comparison_html
     from tasks.results import ProbeError
 
     probe_cfg = model_cfg = lora_cfg = None
@@ -644,6 +644,8 @@ def cmd_compare(args) -> int:
     result = compare(report_a, report_b, alpha=args.alpha, labels=(args.label_a or "A", args.label_b or "B"))
     result.a.source, result.b.source = args.a, args.b
     print(result.summary)
+    if warning := format_differences(result):
+        print(warning, file=sys.stderr)
     plots = []
     if args.plots or args.html:
         plots = plot_comparison(result, Path(args.plots or Path(args.html).with_suffix("")), history_a, history_b)

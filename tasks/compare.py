@@ -19,7 +19,10 @@ normal (a healthy checkpoint has 0 malformed). Verdict at `alpha` (default 0.01)
 Each side's rate comes with its Wilson interval. The one-line verdict (`format_verdict`) reads e.g.
 "regression: B malformed 35/72 (48.6%) vs A 0/108 (0.0%), Fisher exact p=1.8e-17 (one-sided, alpha 0.01)".
 
-`compare()` returns a `Comparison` (its `to_dict()` is the JSON `ballast compare --json` writes).
+`compare()` returns a `Comparison` (its `to_dict()` is the JSON `ballast compare --json` writes). It also names the
+conditions the two sides were probed under that differ (`differences`: the base model trained on, temperature,
+max_tokens, the prompts, the format tag, ...): a rate is only comparable to one drawn alike, and a B trained on
+another base model or probed hotter is not "no regression" of the code; `format_differences()` is its warning line.
 `pool_reports()` adds up the probe reports of k runs of one side (the regression flow's k runs per
 code ref) into one report-shaped dict, which `compare()` takes as it takes a single report.
 `plot_comparison()` draws the malformed rates with their intervals and, when training histories are
@@ -31,7 +34,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import matplotlib
@@ -53,6 +56,19 @@ POOLED_KIND = "ballast-probe-pool"
 DEFAULT_ALPHA = 0.01
 ALTERNATIVE = "less: A's odds of a malformed sample are lower than B's (B is worse)"
 RUN_ID_RE = re.compile(r"[0-9a-f]{32}")
+# what a probe ran against that changes its malformed rate, (name, the report's field or settings key): two
+# sides that differ in one are not a comparison of code alone, and `compare` says so
+CONDITIONS = [
+    ("base model", "trained_on"),
+    ("temperature", "temperature"),
+    ("max_tokens", "max_tokens"),
+    ("format_tag", "format_tag"),
+    ("expected_length", "expected_length"),
+    ("length_factor", "length_factor"),
+    ("prompts", "prompts"),
+    ("system_prompt", "system_prompt"),
+    ("prompt_template", "prompt_template"),
+]
 # training curves drawn side by side: (metric, title)
 CURVES = [
     ("reward", "reward"),
@@ -89,6 +105,7 @@ def pool_reports(reports: list[dict], label: str = "") -> dict:
         "passed": all(r.get("passed", False) for r in reports),
         "n_failed": sum(not r.get("passed", False) for r in reports),
         "failures": failures,
+        "conditions": _pooled_conditions([conditions_of(r) for r in reports if "error" not in r]),
         "per_report": [
             {
                 k: r.get(k)
@@ -107,6 +124,50 @@ def pool_reports(reports: list[dict], label: str = "") -> dict:
             for r in reports
         ],
     }
+
+
+def conditions_of(report: dict) -> dict:
+    """What the report's samples were drawn against (CONDITIONS): the base model the artifact was trained on and the
+    probe settings that move the malformed rate. A pooled report carries its own; a key an old report lacks is
+    absent."""
+    if "conditions" in report:
+        return dict(report["conditions"])
+    settings = report.get("settings") or {}
+    found = {}
+    for name, key in CONDITIONS:
+        if key == "trained_on":
+            model = report.get("trained_on") or report.get("base_model")
+            if model:
+                found[name] = model
+        elif key in settings:
+            found[name] = settings[key]
+    return found
+
+
+def _pooled_conditions(each: list[dict]) -> dict:
+    """The conditions of k reports as one: a value all share, or {"mixed": [the distinct values]}."""
+    pooled = {}
+    for name in dict.fromkeys(k for c in each for k in c):
+        values = list({json.dumps(c.get(name), sort_keys=True): c.get(name) for c in each}.values())
+        pooled[name] = values[0] if len(values) == 1 else {"mixed": values}
+    return pooled
+
+
+def differences(a: dict, b: dict, labels: tuple[str, str] = ("A", "B")) -> list[str]:
+    """One phrase per condition the two reports both record and do not share, e.g.
+    "base model: A tiny-arith vs B SmolLM2-135M"."""
+    ca, cb = conditions_of(a), conditions_of(b)
+    return [
+        f"{name}: {labels[0]} {_shown(ca[name])} vs {labels[1]} {_shown(cb[name])}"
+        for name, _ in CONDITIONS
+        if name in ca and name in cb and ca[name] != cb[name]
+    ]
+
+
+def _shown(value) -> str:
+    if isinstance(value, dict) and "mixed" in value:
+        return "mixed (" + " | ".join(_shown(v) for v in value["mixed"]) + ")"
+    return "none" if value is None else str(value)
 
 
 @dataclass
@@ -138,6 +199,8 @@ class Comparison:
     alpha: float
     rate_regression: bool  # B is malformed more often than A, p < alpha
     parity_regression: bool  # B's artifacts fail parity while A's pass
+    # the conditions A and B were probed under that differ (base model, temperature, ...); empty when alike
+    differences: list[str] = field(default_factory=list)
     test: str = "fisher_exact"
     alternative: str = ALTERNATIVE
     ci_level: float = CI_LEVEL
@@ -207,6 +270,7 @@ def compare(a: dict, b: dict, alpha: float = DEFAULT_ALPHA, labels: tuple[str, s
         alpha=alpha,
         rate_regression=bool(p_value < alpha),
         parity_regression=sa.parity_ok and not sb.parity_ok,
+        differences=differences(a, b, (sa.label, sb.label)),
     )
 
 
@@ -224,6 +288,17 @@ def format_verdict(result: Comparison) -> str:
             "(reloaded weights differ from those saved)"
         )
     return line
+
+
+def format_differences(result: Comparison) -> str | None:
+    """The warning line when A and B were not probed alike, None when they were."""
+    if not result.differences:
+        return None
+    return (
+        f"warning: {result.a.label} and {result.b.label} were not probed alike ({'; '.join(result.differences)}): "
+        "a difference in malformed rate may come from these, not from B's change; to compare the change alone, "
+        "probe both checkpoints with one spec (ballast compare CKPT_A CKPT_B --spec SPEC)"
+    )
 
 
 # ── what A and B can be ────────────────────────────────────────────────────────────────────────────

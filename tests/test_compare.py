@@ -6,15 +6,22 @@ import json
 
 import pytest
 
-from tasks.compare import compare, format_verdict, plot_comparison, pool_reports, resolve_target
+from tasks.compare import (
+    compare,
+    format_differences,
+    format_verdict,
+    plot_comparison,
+    pool_reports,
+    resolve_target,
+)
 from tasks.probe import wilson_interval
 from tasks.results import REPORT_KIND
 from trainer.health import REASONS
 
 
-def report(n_malformed: int, n_samples: int, parity_ok: bool = True, checkpoint: str = "ckpt") -> dict:
-    """A probe report with only the fields a comparison reads."""
-    return {
+def report(n_malformed: int, n_samples: int, parity_ok: bool = True, checkpoint: str = "ckpt", **extra) -> dict:
+    """A probe report with only the fields a comparison reads (and `extra`: trained_on, settings)."""
+    return extra | {
         "kind": REPORT_KIND,
         "schema_version": 1,
         "checkpoint": checkpoint,
@@ -92,6 +99,33 @@ def test_pooled_reports_add_up_and_count_unloadable_artifacts_as_parity_failures
     assert pooled["failures"] == ["c3: cannot load"]
     result = compare(pool_reports([report(0, 24)] * 3, "old"), pooled, labels=("old", "main"))
     assert result.regression and result.summary.startswith("regression: main malformed 4/48")
+
+
+def test_sides_trained_on_other_base_models_or_probed_hotter_are_named():
+    settings = {"temperature": 0.7, "max_tokens": 48, "prompts": "held-out", "seed": 0, "device": "cpu"}
+    a = report(0, 108, trained_on="tiny-arith", settings=settings)
+    b = report(0, 108, trained_on="HuggingFaceTB/SmolLM2-135M", settings=settings | {"temperature": 1.2, "seed": 3})
+    result = compare(a, b, labels=("v1", "v2"))
+    assert not result.regression  # the verdict is the test's; the warning stands beside it
+    assert result.differences == [
+        "base model: v1 tiny-arith vs v2 HuggingFaceTB/SmolLM2-135M",
+        "temperature: v1 0.7 vs v2 1.2",
+    ]  # seed and device do not move a malformed rate: not named
+    assert format_differences(result).startswith("warning: v1 and v2 were not probed alike (base model: v1 tiny")
+    assert compare(a, dict(a)).differences == []
+    assert compare(report(0, 108), b).differences == []  # a report that records nothing is not called different
+
+
+def test_pooled_reports_keep_the_conditions_they_share_and_mark_the_mixed_ones():
+    runs = [report(0, 24, trained_on="tiny-arith", settings={"temperature": t, "max_tokens": 48}) for t in (0.7, 1.0)]
+    pooled = pool_reports(runs, label="main")
+    assert pooled["conditions"] == {
+        "base model": "tiny-arith",
+        "temperature": {"mixed": [0.7, 1.0]},
+        "max_tokens": 48,
+    }
+    single = report(0, 24, trained_on="tiny-arith", settings={"temperature": 0.7, "max_tokens": 48})
+    assert compare(pool_reports([single] * 2), pooled).differences == ["temperature: A 0.7 vs main mixed (0.7 | 1.0)"]
 
 
 def test_the_json_form_holds_every_field_the_verdict_and_its_line():
@@ -191,6 +225,27 @@ def test_cli_compare_exits_0_on_equal_rates(reports, capsys):
 
     assert main(["compare", str(reports["old"]), str(reports["same"])]) == 0
     assert capsys.readouterr().out.startswith("no regression")
+
+
+def test_cli_compare_warns_when_the_sides_were_trained_on_other_base_models(tmp_path, capsys):
+    from flows.cli import main
+
+    paths = []
+    for name, model in (("a", "tiny-arith"), ("b", "HuggingFaceTB/SmolLM2-135M")):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(report(0, 108, trained_on=model, settings={"temperature": 0.7})))
+    rc = main(["compare", *map(str, paths), "--json", str(tmp_path / "cmp.json"), "--html", str(tmp_path / "c.html")])
+    out, err = capsys.readouterr()
+    assert rc == 0 and out.startswith("no regression")
+    warning = "warning: A and B were not probed alike (base model: A tiny-arith vs B HuggingFaceTB/SmolLM2-135M)"
+    assert len(err.splitlines()) == 1 and err.startswith(warning)  # one line, on stderr: stdout stays the verdict
+    assert json.loads((tmp_path / "cmp.json").read_text())["differences"] == [
+        "base model: A tiny-arith vs B HuggingFaceTB/SmolLM2-135M"
+    ]
+    assert (
+        "not probed alike: base model: A tiny-arith vs B HuggingFaceTB/SmolLM2-135M"
+        in (tmp_path / "c.html").read_text()
+    )
 
 
 def test_cli_compare_bad_arguments_exit_2(reports, tmp_path, capsys):

@@ -509,3 +509,13 @@ def test_comparison_page_shows_both_sides_the_test_and_its_plot(browser, tmp_pat
     assert page.headers(0) == ["", "A", "B"]
     assert "malformed rate\t0.0%\t83.3%" in page.text
     assert set(page.images()) == {"rates"}
+    assert "not probed alike" not in page.text
+
+
+def test_comparison_page_warns_when_the_sides_were_trained_on_other_base_models(browser, tmp_path):
+    other = probe_report(malformed=0).to_dict() | {"trained_on": "HuggingFaceTB/SmolLM2-135M"}
+    result = compare(probe_report(malformed=0).to_dict(), other, labels=("v1", "v2"))
+    page = Page(browser, write_comparison_html(result, tmp_path / "comparison.html", [], {"A": "a.json"}))
+    assert_clean(page)
+    warning = page.page.inner_text(".banner.warn")
+    assert warning.startswith("A and B were not probed alike: base model: v1 tiny-arith vs v2 HuggingFaceTB/SmolLM2")

@@ -335,6 +335,20 @@ def test_threshold_decides_pass_on_the_malformed_rate(quickstart, tmp_path):
     assert r["failures"] == [f for f in r["failures"] if f.startswith("malformed rate")]
 
 
+def test_a_comparison_of_two_real_reports_probed_differently_names_the_difference(quickstart, tmp_path):
+    """The same checkpoint probed with a 3-token cap reads as a regression against itself probed normally: the
+    comparison says the two were not probed alike (max_tokens 32 vs 3), and says nothing when they were."""
+    from tasks.compare import compare, format_differences
+
+    normal = probe(quickstart, quickstart[1], tmp_path)
+    capped = probe(quickstart, quickstart[1], tmp_path, cfg=SMALL_PROBE.model_copy(update={"max_tokens": 3}))
+    result = compare(normal, capped)
+    assert result.regression and result.differences == ["max_tokens: A 32 vs B 3"]
+    assert format_differences(result).startswith("warning: A and B were not probed alike (max_tokens: A 32 vs B 3)")
+    alike = compare(normal, probe(quickstart, quickstart[1], tmp_path / "again"))
+    assert alike.differences == [] and format_differences(alike) is None
+
+
 def test_a_spec_names_its_own_prompt_file(quickstart, tmp_path):
     prompts = tmp_path / "mine.txt"
     prompts.write_text("1+1\n\n2+2\n")
