@@ -7,8 +7,9 @@ says the rule; this is it run for real).
                    the parent run and the summary page
 
 `ensure_split` records the sweep's split of its held-out prompts on the study before the first trial (every trial,
-worker and resume reads the same one). `confirm_sweep` runs the confirmation once the search has ended; what it
-scored is kept on the study as it comes, so an interrupted confirmation resumes without scoring anything twice.
+worker and resume reads the same one). `confirm_sweep` runs the confirmation once the search has ended, in one of the
+workers that find it ended (sweeps/once.py: the others wait for it or leave it to that one); what it scored is kept
+on the study as it comes, so an interrupted confirmation resumes without scoring anything twice.
 
 A seed run is the trial's spec with `optim.seed` and `rollout.seed` moved by the seed's offset (the prompts and their
 order stay), trained as a pipeline run without pruning (the health gate still stops a collapse) and scored like the
@@ -25,10 +26,12 @@ from pathlib import Path
 from flows.seeds import SEED_TAG, retrain_concurrently, seed_run_name
 from flows.trials.lines import seed_progress
 from sweeps.baseline import load_baseline
-from sweeps.confirmation import Confirmation, SeedJob, SeedResult, confirm, verdict_lines
+from sweeps.confirmation import Confirmation, SeedJob, SeedResult, confirm, load_confirmation, verdict_lines
+from sweeps.once import run_once
 from sweeps.pruning import run_tokens
 from sweeps.space import SweepSpec, baseline_spec, sweep_split, trial_spec
 from sweeps.split import SPLIT_ATTR, Split, load_split
+from sweeps.study import n_done
 from tasks.eval import judging_examples, score_on
 from tasks.fork import fork
 from tasks.spec import ExperimentSpec, validate_spec
@@ -45,14 +48,35 @@ def ensure_split(study, sweep: SweepSpec) -> Split:
     return split
 
 
-def confirm_sweep(study, sweep: SweepSpec, recorder: SweepRecorder, label: str = "") -> Confirmation | None:
+def confirm_sweep(
+    study, sweep: SweepSpec, recorder: SweepRecorder, label: str = "", wait: bool = True
+) -> Confirmation | None:
     """The verdict of a finished search, printed, kept on the study (sweeps/confirmation.py) and on the parent run;
-    None when the study has nothing to confirm (two objectives, no held-out objective, no completed trial)."""
-    split = ensure_split(study, sweep)
+    None when the study has nothing to confirm (two objectives, no held-out objective, no completed trial). One
+    worker of the study confirms at a time: one that finds another confirming waits for it (wait) or leaves it to
+    it, and returns what that one stored."""
 
     def say(line: str) -> None:
         print(f"{label}{line}", flush=True)
 
+    found: list[Confirmation | None] = []
+    beats = {"beat_s": sweep.heartbeat.interval, "stale_s": sweep.heartbeat.grace_period}
+    # confirmed already for these trials and these confirm settings (another worker, a re-run): the stored verdict
+    version = json.dumps([n_done(study), sweep.confirm.model_dump(mode="json")], sort_keys=True)
+    confirmed_here = run_once(
+        study,
+        "confirmation",
+        lambda: found.append(_confirm(study, sweep, recorder, say)),
+        wait=wait,
+        version=version,
+        say=say,
+        **beats,
+    )
+    return found[0] if confirmed_here else load_confirmation(study)
+
+
+def _confirm(study, sweep: SweepSpec, recorder: SweepRecorder, say) -> Confirmation | None:
+    split = ensure_split(study, sweep)
     judge = Judge(study, sweep, recorder, split, say)
     if split.kind == "none":
         say(f"confirmation: {split.describe()}")

@@ -36,6 +36,7 @@ from flows.machine import load_warning
 from flows.trials import choose_runner, in_process_runner
 from flows.trials.workers import worker_budget
 from sweeps.baseline import BASELINE_ATTR, Baseline, load_baseline
+from sweeps.once import run_once
 from sweeps.report import SweepSummary, plot_study, summarize
 from sweeps.runner import Budget
 from sweeps.space import base_spec, baseline_spec, load_sweep
@@ -74,16 +75,23 @@ baseline_task = task(measure_baseline, name="baseline", cache_policy=NO_CACHE, p
 
 
 def ensure_baseline(study, sweep, recorder: SweepRecorder, label: str = "") -> Baseline:
-    """The study's baseline, measured once (before its first trial) and stored on the study and the parent run."""
+    """The study's baseline, measured once (before its first trial, by one of the workers that share the study:
+    sweeps/once.py; the others wait for it) and stored on the study and the parent run."""
     ensure_split(study, sweep)  # the held-out prompts dealt into selection and confirmation, once
-    baseline = load_baseline(study)
-    if baseline is None:
-        print(f"{label}baseline: scoring {_source_name(sweep)} on the trials' held-out set ...", flush=True)
+
+    def say(line: str) -> None:
+        print(f"{label}{line}", flush=True)
+
+    def measure() -> None:
+        say(f"baseline: scoring {_source_name(sweep)} on the trials' held-out set ...")
         baseline = baseline_task(sweep, recorder)
         study.set_user_attr(BASELINE_ATTR, baseline.to_json())
         recorder.record_baseline(baseline)
-        print(f"{label}{baseline_line(baseline, sweep)} ({baseline.seconds:.0f} s)", flush=True)
-    return baseline
+        say(f"{baseline_line(baseline, sweep)} ({baseline.seconds:.0f} s)")
+
+    beats = {"beat_s": sweep.heartbeat.interval, "stale_s": sweep.heartbeat.grace_period}
+    run_once(study, "baseline", measure, done=lambda: load_baseline(study) is not None, say=say, **beats)
+    return load_baseline(study)
 
 
 def _source_name(sweep) -> str:
@@ -251,9 +259,9 @@ def ballast_sweep_worker(
     if trials is not None:
         st.set_user_attr(TRIALS_ATTR, int(trials))
     label = f"[worker {worker}] "
-    ensure_baseline(st, sweep, recorder, label=label)  # created with --workers 0: not measured yet
+    ensure_baseline(st, sweep, recorder, label=label)  # one of the workers measures it, the others wait
     in_process_runner(sweep, label).run(st, sweep, recorder, worker_budget(target(st)))
     if summary and n_done(st) >= target(st):
-        confirm_sweep(st, sweep, recorder, label=label)
+        confirm_sweep(st, sweep, recorder, label=label, wait=False)  # another worker confirming: left to it
         return summary_task(st, sweep, recorder, storage)
     return None

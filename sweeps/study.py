@@ -36,8 +36,6 @@ How a sweep grows past one process, with nothing home-made but the loop's stoppi
 from __future__ import annotations
 
 import hashlib
-import os
-import socket
 import threading
 import time
 import warnings
@@ -53,6 +51,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from tasks.results import PipelineResult
 
+from .once import WORKER_ID, gone_here
 from .pruning import TrialPruning, verdict
 from .runner import RunnerReport
 from .space import SweepError, SweepSpec, suggest, trial_spec
@@ -61,7 +60,6 @@ from .stored import SWEEP_ATTR, check_definition
 DONE = (TrialState.COMPLETE, TrialState.PRUNED)
 TRIALS_ATTR = "ballast.n_trials"  # study user attr: the total the study should end with
 SQLITE_TIMEOUT_S = 60  # how long a SQLite writer waits for another process's lock
-WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"  # trial user attr `worker`: who ran it
 NODE_ATTR = "ballast.node."  # study user attrs `ballast.node.<when>.<worker>`: a worker node's usage (JSON)
 COMPUTE_ATTR = "compute"  # trial user attr: what the trial's own train-stage node used (its MLflow compute/*)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -201,11 +199,10 @@ def fail_dead_workers(study: optuna.Study) -> None:
     """RUNNING trials whose worker was a process of this machine that is gone (SIGKILL, a crash): failed and
     re-queued now, as a stale heartbeat would have them after its grace period — a sweep resumed at once runs the
     killed configuration first, as the uninterrupted sweep ran it."""
-    storage, host = study._storage, WORKER_ID.split(":")[0]
+    storage = study._storage
     callback = getattr(storage, "get_heartbeat_stale_trial_callback", lambda: None)()
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        where, _, pid = str(t.user_attrs.get("worker", "")).rpartition(":")
-        if where != host or not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+        if not gone_here(str(t.user_attrs.get("worker", ""))):
             continue
         try:
             storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
@@ -213,16 +210,6 @@ def fail_dead_workers(study: optuna.Study) -> None:
             continue  # another worker failed it first
         if isinstance(callback, _Interrupted):
             callback(study, storage.get_trial(t._trial_id), dead=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 def sampler_seed(sweep: SweepSpec, worker: int = 0, k: int = 0) -> int:

@@ -189,7 +189,7 @@ def postgres_database(prefix: str):
 
 # tasks.ranks.launch starts ranks as torchrun does
 STARTS_A_PROCESS = re.compile(
-    r"\bsubprocess\.|\bPopen\(|\bstart_processes\(|\bpexpect\.|\bfrom tasks\.ranks import launch\b"
+    r"\bsubprocess\.|\bPopen\(|\.Process\(|\bstart_processes\(|\bpexpect\.|\bfrom tasks\.ranks import launch\b"
 )
 
 

@@ -78,6 +78,9 @@ def test_two_workers_on_postgres_complete_a_study_without_duplicated_or_lost_tri
     ]
     outputs = [w.communicate(timeout=600)[0] for w in workers]
     assert [w.returncode for w in workers] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    scored = [o for o in outputs if "baseline: scoring the base model" in o]
+    confirmed = [o for o in outputs if "] best on the selection prompts: trial" in o]
+    assert len(scored) == 1 and len(confirmed) == 1, "\n=====\n".join(outputs)  # each done by one worker alone
 
     study = optuna.load_study(study_name="pg-sweep", storage=database)
     finished = [t for t in study.trials if t.state.name in ("COMPLETE", "PRUNED")]
@@ -95,3 +98,5 @@ def test_two_workers_on_postgres_complete_a_study_without_duplicated_or_lost_tri
     numbers = sorted(int(r.data.tags["ballast.trial_number"]) for r in children)
     assert numbers == sorted(t.number for t in finished)  # one child run per trial, exactly once
     assert {t.user_attrs["mlflow_run_id"] for t in finished} == {r.info.run_id for r in children}
+    for key in ("baseline/eval/reward", "confirm/baseline", "confirm/winner"):  # logged once, not once per worker
+        assert len(client.get_metric_history(parent.info.run_id, key)) == 1, key

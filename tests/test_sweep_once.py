@@ -1,0 +1,143 @@
+"""A study-wide step (the baseline, the confirmation) done by one of the processes that share a study
+(sweeps/once.py): real Optuna RDB storage, SQLite and the local PostgreSQL, real processes started at once.
+Of four, exactly one does it and the others wait for it or leave it; a claim whose owner was killed, or
+stopped beating, is taken over; a step that failed is done again by the next."""
+
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+
+from sweeps.once import CLAIM_ATTR, run_once
+from tests.conftest import postgres_database
+
+FAST = {"beat_s": 0.2, "stale_s": 1.5, "settle_s": 0.3, "poll_s": 0.1}
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def storage(request, tmp_path):
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'optuna.db'}"
+    else:
+        yield from postgres_database("ballast_once")
+
+
+def _worker(url: str, log: str, wait: bool, seconds: float, out) -> None:
+    """One process of the study: does the step (append a line to `log`, store a result) or leaves it."""
+    study = optuna.load_study(study_name="s", storage=url)
+    said = []
+
+    def work() -> None:
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(seconds)
+        study.set_user_attr("result", os.getpid())
+
+    started = time.monotonic()
+    did = run_once(study, "step", work, lambda: "result" in study.user_attrs, wait=wait, say=said.append, **FAST)
+    out.put((os.getpid(), did, study.user_attrs.get("result"), said, time.monotonic() - started))
+
+
+def _start(url: str, log, n: int, wait: bool = True, seconds: float = 1.0):
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(url, str(log), wait, seconds, out)) for _ in range(n)]
+    for p in procs:
+        p.start()
+    return procs, out
+
+
+def _results(procs, out) -> list[tuple]:
+    got = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0] * len(procs)
+    return got
+
+
+def test_of_four_processes_started_at_once_exactly_one_does_the_step_and_the_others_wait(storage, tmp_path):
+    optuna.create_study(study_name="s", storage=storage)
+    log = tmp_path / "did.log"
+    got = _results(*_start(storage, log, 4))
+    doers = log.read_text().split()
+    assert len(doers) == 1  # done once, not four times
+    assert [pid for pid, did, *_ in got if did] == [int(doers[0])]
+    assert {result for _, _, result, *_ in got} == {int(doers[0])}  # every waiter returned after it was done
+    waited = [said for _, did, _, said, _ in got if not did and said]
+    assert all(s[0].startswith("step: the worker ") and s[0].endswith("is doing it; waiting") for s in waited)
+
+
+def test_a_worker_that_does_not_wait_leaves_the_step_to_the_live_owner(storage, tmp_path):
+    optuna.create_study(study_name="s", storage=storage)
+    log = tmp_path / "did.log"
+    owner = _start(storage, log, 1, seconds=6.0)
+    while not log.exists():
+        time.sleep(0.05)
+    ((_, did, result, said, seconds),) = _results(*_start(storage, log, 1, wait=False))
+    assert not did and result is None and seconds < 3.0  # left to the owner, which still works
+    assert said[-1].endswith("is doing it; its result lands on the study and the sweep's MLflow run")
+    ((_, did, *_),) = _results(*owner)
+    assert did and len(log.read_text().split()) == 1
+
+
+def test_the_claim_of_a_killed_process_of_this_machine_is_taken_over_at_once(tmp_path):
+    url = f"sqlite:///{tmp_path / 'optuna.db'}"
+    study = optuna.create_study(study_name="s", storage=url)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    study.set_user_attr(CLAIM_ATTR + "step", {"owner": f"{socket.gethostname()}:{gone.stdout.strip()}:ab", "beat": 3})
+    said, started = [], time.monotonic()
+    did = run_once(study, "step", lambda: said.append("worked"), say=said.append, **(FAST | {"stale_s": 60}))
+    assert did and "worked" in said and time.monotonic() - started < 5  # not the 60 s a silent claim waits
+    assert said[0].endswith("stopped without finishing it; taking it over")
+    assert study.user_attrs[CLAIM_ATTR + "step"]["finished"] is True
+
+
+def test_a_claim_whose_beat_stands_still_is_taken_over_after_stale_s(tmp_path):
+    url = f"sqlite:///{tmp_path / 'optuna.db'}"
+    study = optuna.create_study(study_name="s", storage=url)
+    study.set_user_attr(CLAIM_ATTR + "step", {"owner": "another-node:4242:cd", "beat": 7})  # a node that went away
+    said, started = [], time.monotonic()
+    assert run_once(study, "step", lambda: said.append("worked"), say=said.append, **FAST)
+    assert time.monotonic() - started >= FAST["stale_s"]
+    assert said == [
+        "step: the worker another-node:4242 is doing it; waiting",
+        "step: the worker another-node:4242 stopped without finishing it; taking it over",
+        "worked",
+    ]
+
+
+def test_a_step_that_failed_clears_its_claim_and_the_next_worker_does_it(tmp_path):
+    url = f"sqlite:///{tmp_path / 'optuna.db'}"
+    study = optuna.create_study(study_name="s", storage=url)
+
+    def fails() -> None:
+        raise RuntimeError("the base model could not load")
+
+    with pytest.raises(RuntimeError, match="could not load"):
+        run_once(study, "step", fails, **FAST)
+    assert study.user_attrs[CLAIM_ATTR + "step"] is None
+    started = time.monotonic()
+    assert run_once(study, "step", lambda: None, **FAST) and time.monotonic() - started < 2
+
+
+def test_a_step_already_done_is_not_done_again(tmp_path):
+    study = optuna.create_study(study_name="s", storage=f"sqlite:///{tmp_path / 'optuna.db'}")
+    ran = []
+    assert run_once(study, "step", lambda: ran.append(1), lambda: bool(ran), **FAST)
+    assert not run_once(study, "step", lambda: ran.append(2), lambda: bool(ran), **FAST) and ran == [1]
+
+
+def test_a_step_finished_for_the_same_version_is_not_done_again_and_a_new_version_is(tmp_path):
+    """The confirmation's version is what it confirmed (the trials done, the confirm settings): a second worker
+    arriving after the first confirmed the same study leaves it; more trials later are confirmed again."""
+    study = optuna.create_study(study_name="s", storage=f"sqlite:///{tmp_path / 'optuna.db'}")
+    ran = []
+    assert run_once(study, "step", lambda: ran.append("4 trials"), version="4", **FAST)
+    assert not run_once(study, "step", lambda: ran.append("again"), version="4", **FAST)
+    assert run_once(study, "step", lambda: ran.append("6 trials"), version="6", **FAST)
+    assert ran == ["4 trials", "6 trials"]
