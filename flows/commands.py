@@ -856,12 +856,27 @@ def _check_storage_flag(url: str | None) -> None:
         raise UserError(f"--storage: {STORAGE_PASSWORD}")
 
 
+def _check_sqlite_file(url: str | None) -> None:
+    """A worker joins a study that exists: a SQLite storage must name a database file that is there."""
+    if not url or not url.startswith("sqlite:"):
+        return
+    from sqlalchemy.engine import make_url
+
+    database = make_url(url).database
+    if not database or database == ":memory:" or not Path(database).expanduser().is_file():
+        raise UserError(
+            f"--storage {url}: no such SQLite database; a worker joins a study that exists — give the storage "
+            "`ballast sweep` printed when it created the study"
+        )
+
+
 def cmd_sweep_worker(args) -> int:
     from flows import runtime
     from sweeps.space import base_spec
     from sweeps.study import join_study, make_storage
 
     _check_storage_flag(args.storage)
+    _check_sqlite_file(args.storage)  # Optuna would create an empty database there
     _, sweep = join_study(args.study, make_storage(args.storage), worker=args.worker)  # a bad study name fails early
     runtime.prestart(base_spec(sweep).get("project_dir", ".ballast"))  # nothing to start when spawned by a sweep
     from flows.sweep import ballast_sweep_worker

@@ -194,6 +194,17 @@ def test_a_placement_a_node_could_not_use_is_refused_for_sweep_workers_too(tmp_p
     assert "infra.use_spot: true with storage" in err and len(err.splitlines()) == 1
 
 
+def test_a_sweep_worker_given_a_sqlite_file_that_is_not_there_is_refused_and_creates_none(tmp_path, capsys):
+    from flows.cli import main
+
+    missing = tmp_path / "optuna-typo.db"
+    for url in (f"sqlite:///{missing}", "sqlite:///:memory:"):
+        assert main(["sweep-worker", "--study", "s", "--storage", url]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: --storage {url}: no such SQLite database") and len(err.splitlines()) == 1
+    assert not missing.exists()  # before: Optuna made an empty database there, then said the study was not in it
+
+
 def test_local_nodes_reach_this_machines_sqlite_and_loopback_database():
     from sweeps.study import check_worker_placement
     from tasks.spec import load_spec
