@@ -47,7 +47,7 @@ def run_once(
     say: Callable[[str], None] = print,
     beat_s: float = 10.0,
     stale_s: float = 40.0,
-    settle_s: float = 0.5,
+    settle_s: float = 1.0,
     poll_s: float = 1.0,
 ) -> bool:
     """work() in one of the processes sharing `study`; True in that one. False when the step is done — done()
