@@ -36,7 +36,7 @@ from flows.machine import load_warning
 from flows.trials import choose_runner, in_process_runner
 from flows.trials.workers import worker_budget
 from sweeps.baseline import BASELINE_ATTR, Baseline, load_baseline
-from sweeps.once import run_once
+from sweeps.once import delete_locks, run_once
 from sweeps.report import SweepSummary, plot_study, summarize
 from sweeps.runner import Budget
 from sweeps.space import base_spec, baseline_spec, load_sweep
@@ -181,6 +181,7 @@ def delete_sweep(study_name: str, storage_url: str) -> str:
     except Exception as e:  # a study with no parent run, or whose tracking store forgot it: the study still goes
         runs = f"no MLflow runs ({e})"
     optuna.delete_study(study_name=study_name, storage=study._storage)
+    delete_locks(study_name, study._storage)  # a round a killed worker held: its lock study goes too
     return f"deleted study {study_name} ({n_trials} trials) from {redact_url(storage_url)} and {runs}"
 
 

@@ -7,21 +7,25 @@ and two confirmations at once delete each other's seed runs (a re-run confirmati
 of its seeds). So one worker does such a step and the others wait for it (the baseline: their trials need it)
 or leave it to that worker (the confirmation: it can take hours).
 
-Optuna's storage has no lock; the claim is a study user attribute, `ballast.claim.<step>` =
-{"owner", "beat", "finished", "version"}, written the same way by every process (SQLite or PostgreSQL):
+The election is the storage's own: a study name is unique in every Optuna storage, and creating one that exists
+fails (DuplicatedStudyError, the database's unique constraint on SQLite and PostgreSQL alike), so "round r of
+step S is mine" is creating the study `<study>.ballast-claim.<S>.<r>` — of any number of workers trying at once,
+exactly one succeeds, however slow the others are. What the round's owner is doing is a study user attribute,
+`ballast.claim.<S>` = {"owner", "round", "beat", "finished" | "cleared", "version"}:
 
 1. A worker that finds the step done (the caller's test, or a finished claim of the same `version`) leaves it. One
-   that finds no live claim writes its own, waits `settle_s`, and reads it back: of two that wrote at
-   once the later write stands, so both read the same owner and one goes on.
+   that finds no live claim tries the next round (0, or the attribute's round + 1); the winner writes the
+   attribute and works, the others watch it.
 2. The owner increments `beat` every `beat_s` while it works; on success it marks the claim finished, on an error
-   it clears it (another worker takes the step over).
+   it clears it (the next round is open to all). The lock studies of its round and the one before are deleted.
 3. A claim is dead when its beat has not moved for `stale_s` of the watcher's own clock (no clock is compared
-   across machines), or at once when its owner was a process of this machine that is gone (a SIGKILL). A dead
-   claim is taken over as in 1.
+   across machines), or at once when its owner was a process of this machine that is gone (a SIGKILL). Its next
+   round is tried as in 1.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -31,6 +35,8 @@ import warnings
 from collections.abc import Callable
 
 import optuna
+from optuna.exceptions import DuplicatedStudyError
+from optuna.study import StudyDirection
 
 CLAIM_ATTR = "ballast.claim."
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"  # trial user attr `worker`: who ran it
@@ -47,20 +53,20 @@ def run_once(
     say: Callable[[str], None] = print,
     beat_s: float = 10.0,
     stale_s: float = 40.0,
-    settle_s: float = 1.0,
     poll_s: float = 1.0,
 ) -> bool:
-    """work() in one of the processes sharing `study`; True in that one. False when the step is done — done()
-    holds, or a finished claim has this `version` (what the step was done for, e.g. the trials it confirmed) — at
-    the start or once the owner finished (wait=True), or when another live worker holds the step (wait=False: it is
-    proven live by one beat, then left to it). A work() that raises clears the claim and raises."""
+    """work() in one of the processes sharing `study`; True in that one. False when the step is done — done() holds,
+    or a finished claim has this `version` (what the step was done for, e.g. the trials it confirmed) — at the start
+    or once the owner finished (wait=True), or when another live worker holds the step (wait=False: it is proven
+    live by one beat, then left to it). A work() that raises clears the claim and raises; a process that dies in it
+    leaves its round to be taken over."""
     key, me = CLAIM_ATTR + step, f"{WORKER_ID}:{uuid.uuid4().hex[:8]}"
     watch = _Watch(stale_s)
     while not done():
         held = study.user_attrs.get(key) or None
         if version is not None and held and held.get("finished") and held.get("version") == version:
             return False
-        if held and held["owner"] != me and not held.get("finished"):
+        if held and not (held.get("finished") or held.get("cleared")):
             state = watch.see(held)
             if state == "live" and not wait:
                 say(f"{step}: {_who(held)} is doing it; its result lands on the study and the sweep's MLflow run")
@@ -73,15 +79,60 @@ def run_once(
             say(f"{step}: {_who(held)} stopped without finishing it; taking it over")
         elif held and watch.seen and held.get("finished"):
             return False  # the owner we watched finished; what it did is on the study
-        study.set_user_attr(key, {"owner": me, "beat": 0})
-        time.sleep(settle_s)
-        if (study.user_attrs.get(key) or {}).get("owner") == me:
-            _own(study, key, me, work, beat_s, version)
-            return True
+        r = held.get("round", -1) + 1 if held else 0
+        if not _lock(study, step, r):  # another worker won round r: its claim shows on the next look
+            time.sleep(poll_s)
+            continue
+        now = study.user_attrs.get(key) or None
+        if (now and now.get("round", -1) >= r) or done():  # a round already past ours: a leftover lock
+            _unlock(study, step, r)
+            continue
+        study.set_user_attr(key, {"owner": me, "round": r, "beat": 0})
+        _unlock(study, step, r - 1)
+        try:
+            _own(study, key, me, r, work, beat_s, version)
+        finally:
+            _unlock(study, step, r)
+        return True
     return False
 
 
-def _own(study: optuna.Study, key: str, me: str, work: Callable[[], object], beat_s: float, version) -> None:
+def _lock_name(study: optuna.Study, step: str, r: int) -> str:
+    return f"{study.study_name}.ballast-claim.{step}.{r}"
+
+
+def _lock(study: optuna.Study, step: str, r: int) -> bool:
+    """Round r of the step taken by this process: True for exactly one of the processes that try."""
+    quiet = logging.getLogger("optuna.storages._rdb.storage")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # not "A new study created" for a lock
+    try:
+        study._storage.create_new_study([StudyDirection.MINIMIZE], _lock_name(study, step, r))
+        return True
+    except DuplicatedStudyError:
+        return False
+    finally:
+        quiet.setLevel(level)
+
+
+def delete_locks(study_name: str, storage) -> None:
+    """Every lock study of a study's steps (left by a worker killed in one), for `ballast sweep --delete`."""
+    for summary in storage.get_all_studies():
+        if summary.study_name.startswith(f"{study_name}.ballast-claim."):
+            storage.delete_study(summary._study_id)
+
+
+def _unlock(study: optuna.Study, step: str, r: int) -> None:
+    if r < 0:
+        return
+    storage = study._storage
+    try:
+        storage.delete_study(storage.get_study_id_from_name(_lock_name(study, step, r)))
+    except KeyError:  # deleted already, or never made
+        pass
+
+
+def _own(study: optuna.Study, key: str, me: str, r: int, work: Callable[[], object], beat_s: float, version) -> None:
     stop = threading.Event()
 
     def beat() -> None:
@@ -89,7 +140,7 @@ def _own(study: optuna.Study, key: str, me: str, work: Callable[[], object], bea
         while not stop.wait(beat_s):
             n += 1
             try:
-                study.set_user_attr(key, {"owner": me, "beat": n})
+                study.set_user_attr(key, {"owner": me, "round": r, "beat": n})
             except Exception as e:  # a missed beat is late, not lost
                 warnings.warn(f"could not write the claim {key}'s beat: {e}", stacklevel=1)
 
@@ -102,7 +153,8 @@ def _own(study: optuna.Study, key: str, me: str, work: Callable[[], object], bea
     finally:  # the beats stop first, so that none lands after the claim is marked finished or cleared
         stop.set()
         thread.join()
-        study.set_user_attr(key, {"owner": me, "beat": -1, "finished": True, "version": version} if finished else None)
+        end = {"finished": True, "version": version} if finished else {"cleared": True}
+        study.set_user_attr(key, {"owner": me, "round": r, "beat": -1, **end})
 
 
 class _Watch:

@@ -8,15 +8,16 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import optuna
 import pytest
 
-from sweeps.once import CLAIM_ATTR, run_once
+from sweeps.once import CLAIM_ATTR, _lock, delete_locks, run_once
 from tests.conftest import postgres_database
 
-FAST = {"beat_s": 0.2, "stale_s": 1.5, "settle_s": 0.5, "poll_s": 0.1}
+FAST = {"beat_s": 0.2, "stale_s": 1.5, "poll_s": 0.1}
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -74,8 +75,27 @@ def test_of_four_processes_started_at_once_exactly_one_does_the_step_and_the_oth
     assert len(doers) == 1  # done once, not four times
     assert [pid for pid, did, *_ in got if did] == [int(doers[0])]
     assert {result for _, _, result, *_ in got} == {int(doers[0])}  # every waiter returned after it was done
+    assert optuna.get_all_study_names(storage) == ["s"]  # the round's lock study is gone with the step done
     waited = [said for _, did, _, said, _ in got if not did and said]
     assert all(s[0].startswith("step: the worker ") and s[0].endswith("is doing it; waiting") for s in waited)
+
+
+def test_of_eight_threads_taking_one_round_at_the_same_instant_exactly_one_gets_it(storage):
+    """The election itself: the storage's unique study name, not timing — however the threads interleave."""
+    optuna.create_study(study_name="s", storage=storage)
+    studies = [optuna.load_study(study_name="s", storage=storage) for _ in range(8)]  # a connection each
+    barrier, won = threading.Barrier(8), []
+
+    def take(study) -> None:
+        barrier.wait()
+        won.append(_lock(study, "step", 0))
+
+    threads = [threading.Thread(target=take, args=(st,)) for st in studies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(won) == [False] * 7 + [True]
 
 
 def test_a_worker_that_does_not_wait_leaves_the_step_to_the_live_owner(storage, tmp_path):
@@ -127,7 +147,7 @@ def test_a_step_that_failed_clears_its_claim_and_the_next_worker_does_it(tmp_pat
 
     with pytest.raises(RuntimeError, match="could not load"):
         run_once(study, "step", fails, **FAST)
-    assert study.user_attrs[CLAIM_ATTR + "step"] is None
+    assert study.user_attrs[CLAIM_ATTR + "step"]["cleared"] is True
     started = time.monotonic()
     assert run_once(study, "step", lambda: None, **FAST) and time.monotonic() - started < 2
 
@@ -148,3 +168,13 @@ def test_a_step_finished_for_the_same_version_is_not_done_again_and_a_new_versio
     assert not run_once(study, "step", lambda: ran.append("again"), version="4", **FAST)
     assert run_once(study, "step", lambda: ran.append("6 trials"), version="6", **FAST)
     assert ran == ["4 trials", "6 trials"]
+
+
+def test_deleting_a_study_deletes_the_lock_a_killed_worker_left(tmp_path):
+    url = f"sqlite:///{tmp_path / 'optuna.db'}"
+    study = optuna.create_study(study_name="s", storage=url)
+    optuna.create_study(study_name="other", storage=url)
+    assert _lock(study, "confirmation", 2)  # held when its worker was killed
+    optuna.delete_study(study_name="s", storage=url)
+    delete_locks("s", study._storage)
+    assert optuna.get_all_study_names(url) == ["other"]
