@@ -39,6 +39,7 @@ from optuna.exceptions import DuplicatedStudyError
 from optuna.study import StudyDirection
 
 CLAIM_ATTR = "ballast.claim."
+LOCK_INFIX = ".ballast-claim."  # a lock study's name: <study><LOCK_INFIX><step>.<round>
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"  # trial user attr `worker`: who ran it
 
 
@@ -98,7 +99,7 @@ def run_once(
 
 
 def _lock_name(study: optuna.Study, step: str, r: int) -> str:
-    return f"{study.study_name}.ballast-claim.{step}.{r}"
+    return f"{study.study_name}{LOCK_INFIX}{step}.{r}"
 
 
 def _lock(study: optuna.Study, step: str, r: int) -> bool:
@@ -118,7 +119,7 @@ def _lock(study: optuna.Study, step: str, r: int) -> bool:
 def delete_locks(study_name: str, storage) -> None:
     """Every lock study of a study's steps (left by a worker killed in one), for `ballast sweep --delete`."""
     for summary in storage.get_all_studies():
-        if summary.study_name.startswith(f"{study_name}.ballast-claim."):
+        if summary.study_name.startswith(study_name + LOCK_INFIX):
             storage.delete_study(summary._study_id)
 
 
