@@ -51,7 +51,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from tasks.results import PipelineResult
 
-from .once import WORKER_ID, gone_here
+from .once import LOCK_INFIX, WORKER_ID, gone_here
 from .pruning import TrialPruning, verdict
 from .runner import RunnerReport
 from .space import SweepError, SweepSpec, suggest, trial_spec
@@ -387,6 +387,7 @@ def join_study(name: str, storage: RDBStorage, worker: int = 0) -> tuple[optuna.
         summaries = {s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}
     except Exception as e:
         raise SweepError(f"cannot read studies from the storage: {e}") from None
+    summaries = {s for s in summaries if LOCK_INFIX not in s}  # a step's election (sweeps/once.py), not a sweep
     if name not in summaries:
         raise SweepError(
             f"study {name!r} does not exist in this storage (it has {sorted(summaries) or 'none'}); "

@@ -178,3 +178,17 @@ def test_deleting_a_study_deletes_the_lock_a_killed_worker_left(tmp_path):
     optuna.delete_study(study_name="s", storage=url)
     delete_locks("s", study._storage)
     assert optuna.get_all_study_names(url) == ["other"]
+
+
+def test_a_lock_study_is_not_named_among_the_sweeps_a_worker_could_join(tmp_path):
+    from optuna.storages import RDBStorage
+
+    from sweeps.space import SweepError
+    from sweeps.study import join_study
+
+    url = f"sqlite:///{tmp_path / 'optuna.db'}"
+    study = optuna.create_study(study_name="s", storage=url)
+    assert _lock(study, "baseline", 0)  # a worker is in the step
+    with pytest.raises(SweepError) as e:
+        join_study("typo", RDBStorage(url))
+    assert "(it has ['s'])" in str(e.value)
