@@ -39,6 +39,7 @@ def cmd_run(args) -> int:
                 f"as it is, or start a new run from it with --set fork.run_id={args.resume}"
             )
         args.resume, spec_path = _spec_file_of_run(args.resume, args.spec, args.project_dir)
+        _hold_run(spec_path.parent, f"`ballast run --resume {args.resume}`")  # not while it runs or syncs elsewhere
         spec, overrides = str(spec_path), []
         resumed = load_spec(spec_path)
         _refuse_changed_resume(args, resumed)  # a changed spec or a corrupt checkpoint is refused even after the end
@@ -361,6 +362,16 @@ def _spec_file_of_run(given: str, spec_path: str | None, project_dir: str) -> tu
     return run_id, out / "spec.yaml"
 
 
+def _hold_run(run_dir: Path, what: str) -> None:
+    """This process records the run from here on, or one line naming the live process that does (trainer/records.py)."""
+    from tasks.metrics_sink import RunBusy, hold
+
+    try:
+        hold(run_dir, what)
+    except RunBusy as e:
+        raise UserError(str(e)) from None
+
+
 def _finished(spec: ExperimentSpec, run_id: str) -> str | None:
     """What to say instead of resuming a run that already finished (None: it did not)."""
     from tasks.tracking import Tracking
@@ -499,6 +510,7 @@ def cmd_sync(args) -> int:
             f"{args.run_id}: no run directory with a spec.yaml at {run_dir}; give --project-dir, the "
             "project folder the run was made in"
         )
+    _hold_run(run_dir, f"`ballast sync {args.run_id}`")
     spec = load_spec(run_dir / "spec.yaml")
     from tasks.checkpoint import checkpoint_prefix, list_checkpoints, reachable_store, resume_command, sync_checkpoints
     from tasks.record import sync_run

@@ -140,6 +140,7 @@ def run_stages(
         if node is not None:  # always: success, failure, cancellation, Ctrl-C (SkyPilot's autodown if we die)
             teardown_task(node.compute)
             view.say(record_usage(run, node.compute.usage()))
+        run.release()
 
 
 PREFECT_STATES = {

@@ -50,6 +50,7 @@ from tasks.tracking import probe_report_of_run  # noqa: E402
 from trainer.checkpoint import MANIFEST, is_checkpoint, list_checkpoints  # noqa: E402
 from trainer.config import LoraConfig, ModelConfig  # noqa: E402
 from trainer.health import REASONS  # noqa: E402
+from trainer.records import read_rows  # noqa: E402
 
 COMPARISON_KIND = "ballast-comparison"
 POOLED_KIND = "ballast-probe-pool"
@@ -309,7 +310,7 @@ def read_history(metrics_file: Path) -> list[dict] | None:
     metrics_file = Path(metrics_file)
     if not metrics_file.is_file():
         return None
-    return [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    return read_rows(metrics_file)
 
 
 def resolve_target(

@@ -35,8 +35,6 @@ Fault points (trainer/checkpoint.py, BALLAST_FAULT=NAME:STEP) for the tests and 
 
 from __future__ import annotations
 
-import json
-import os
 import queue
 import threading
 import time
@@ -49,20 +47,15 @@ from infra.mlflow_server import TrackingUnavailable, short_reason
 from tasks.checkpoint import resume_command, run_command
 from trainer.callbacks import Callbacks
 from trainer.checkpoint import HOLD_TIMEOUT_S, fault_armed, fault_point, list_checkpoints
+from trainer.records import RunBusy as RunBusy  # for flows/: the run directory held by the process recording it
+from trainer.records import append_rows, read_rows, write_rows
+from trainer.records import hold as hold
 
 PENDING = "mlflow-pending.jsonl"
 RECORD = "metrics.jsonl"  # the trainer's step metrics in the run directory: the record
 BATCH = 1000  # metrics per log_batch call (MLflow's limit)
 NONDETERMINISTIC = ("time/", "step_time", "tokens_per_second", "judge/")  # measured, or served from a cache on replay
 Copies = Callable[[dict], dict]  # the metrics logged beside a step's own (the recorder's headline copies)
-
-
-def read_rows(path: Path) -> list[dict]:
-    """The rows of one of the run directory's JSON-lines files — the record, the spool, the samples tables the
-    trainer appends to (trainer/samples.py) —; [] when there is none."""
-    if not Path(path).is_file():
-        return []
-    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def _same(a: float, b: float) -> bool:
@@ -263,7 +256,13 @@ class MetricsSink(Callbacks):
             return
         self._fault_before_logged(batch)
         try:
-            sent = deliver(self.client, self.run_id, self._catch_up(last_try) + batch, self.spool, self.held)
+            owed = self._catch_up(last_try)
+        except Exception as e:  # the record could not be read (a damaged line): keep the batch, ask again next time
+            self.error = e
+            self._keep(batch)
+            return
+        try:
+            sent = deliver(self.client, self.run_id, owed + batch, self.spool, self.held)
             self.pending, self.error, self._failures = 0, None, 0
             for step in sorted({m.step for m in sent}):
                 fault_point("kill-after-logged", step)  # BALLAST_FAULT: MLflow holds this step, then the process dies
@@ -279,8 +278,9 @@ class MetricsSink(Callbacks):
         if self.caught_up or (self.first_step is None and not last_try):
             return []
         last = self.first_step - 1 if self.first_step is not None else newest_checkpoint(self.record)
+        owed = record_metrics(self.record, last, self.every, self.copies)
         self.caught_up = True  # from here they are sent, or kept in the spool with the batch
-        return record_metrics(self.record, last, self.every, self.copies)
+        return owed
 
     def _fault_before_logged(self, batch: list[Metric]) -> None:
         """BALLAST_FAULT=kill-before-logged:N: SIGKILL once the checkpoint of step N is written, N not yet sent."""
@@ -300,6 +300,10 @@ class MetricsSink(Callbacks):
         if self.thread.is_alive():
             self.q.put(None)
             self.thread.join(timeout=self.close_seconds)
+        if self.thread.is_alive():  # the last flush outlived close_seconds: what it holds is in the run's record
+            raise TrackingUnavailable(
+                f"MLflow was still taking step metrics of run {self.run_id} after {self.close_seconds:.0f} s"
+            )
         if self.pending:
             raise TrackingUnavailable(
                 f"MLflow did not take step metrics of run {self.run_id} "
@@ -326,24 +330,18 @@ class MetricsSink(Callbacks):
 # ── the spool ──────────────────────────────────────────────────────────────────────────────────────
 
 
-def _spool_lines(run_id: str, metrics: list[Metric]) -> str:
-    """`metrics` of `run_id` as spool lines, one per batch of at most BATCH."""
-    return "".join(
-        json.dumps(
-            {"run_id": run_id, "metrics": [[m.key, m.value, m.timestamp, m.step] for m in metrics[i : i + BATCH]]}
-        )
-        + "\n"
+def _spool_rows(run_id: str, metrics: list[Metric]) -> list[dict]:
+    """`metrics` of `run_id` as spool rows, one per batch of at most BATCH."""
+    return [
+        {"run_id": run_id, "metrics": [[m.key, m.value, m.timestamp, m.step] for m in metrics[i : i + BATCH]]}
         for i in range(0, len(metrics), BATCH)
-    )
+    ]
 
 
 def append_pending(spool: Path, run_id: str, metrics: list[Metric]) -> None:
     """Keep `metrics` of `run_id` in the spool, written through to disk."""
     spool.parent.mkdir(parents=True, exist_ok=True)
-    with open(spool, "a") as f:
-        f.write(_spool_lines(run_id, metrics))
-        f.flush()
-        os.fsync(f.fileno())
+    append_rows(spool, _spool_rows(run_id, metrics), sync=True)
 
 
 def write_spool(spool: Path, run_id: str, metrics: list[Metric]) -> None:
@@ -351,9 +349,7 @@ def write_spool(spool: Path, run_id: str, metrics: list[Metric]) -> None:
     if not metrics:
         spool.unlink(missing_ok=True)
         return
-    tmp = spool.with_name(spool.name + ".tmp")
-    tmp.write_text(_spool_lines(run_id, metrics))
-    os.replace(tmp, spool)
+    write_rows(spool, _spool_rows(run_id, metrics))
 
 
 def read_spool(spool: Path) -> list[Metric]:

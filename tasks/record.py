@@ -53,7 +53,7 @@ from infra.store import open_store
 from tasks.checkpoint import CheckpointSet, checkpoint_prefix, resume_command
 from tasks.compare import Comparison
 from tasks.fork import ForkSource
-from tasks.metrics_sink import PENDING, RECORD, Held, MetricsSink, now_ms, read_rows, step_metrics, sync_record
+from tasks.metrics_sink import PENDING, RECORD, Held, MetricsSink, now_ms, step_metrics, sync_record
 from tasks.regression import RegressionResult
 from tasks.report import plot_history, write_run_report
 from tasks.results import EvalResult, PipelineResult, ProbeReport, RunInterrupted, RunStatus, StopReason, TrainOutcome
@@ -63,7 +63,8 @@ from trainer.callbacks import Callbacks
 from trainer.checkpoint import Checkpoint, code_ref, list_checkpoints, step_dir_name
 from trainer.data import data_fingerprint, load_datasets
 from trainer.metrics import METRICS  # noqa: F401  (the glossary of what is logged: `ballast metrics`)
-from trainer.samples import EVAL_SAMPLES_FILE, SAMPLES_FILE, append_rows
+from trainer.records import append_rows, hold, read_rows, release
+from trainer.samples import EVAL_SAMPLES_FILE, SAMPLES_FILE
 
 SOURCE_NAME = "flows/pipeline.py:ballast_pipeline"
 LONG_FACTS = ("code_commit", "base_model", "output_dir", "checkpoint_prefix", "fork_checkpoint")
@@ -159,6 +160,7 @@ class RunRecorder:
         run_id = tracking.create_run(spec.name, parent_run_id)
         tracking.client.set_tag(run_id, "mlflow.runName", run_name(spec.name, run_id))
         run = cls(tracking, spec, run_id, source, resumed=False)
+        run.hold()
         run.prefect_url = (tags or {}).get(PREFECT_URL_TAG)
         run.output_dir.mkdir(parents=True, exist_ok=True)
         (run.output_dir / "spec.yaml").write_text(dump_spec(spec))
@@ -179,6 +181,7 @@ class RunRecorder:
     def resume(cls, tracking: Tracking, spec: ExperimentSpec, run_id: str, tags: dict | None = None) -> RunRecorder:
         """The recorder of an interrupted run, RUNNING again; `tags` are this attempt's (its Prefect flow run)."""
         run = cls(tracking, spec, run_id, tracking.fork_source_of(run_id), resumed=True)
+        run.hold()  # RunBusy while another process records it (the run itself, still training; a sync)
         run.prefect_url = (tags or {}).get(PREFECT_URL_TAG)
         run.client.update_run(run_id, status="RUNNING")
         run.tracking.set_tags(
@@ -448,6 +451,7 @@ class RunRecorder:
         if not result.stopped and TAG + "stop_reason" in self.tags_now():  # a resumed run's old "stopped by SIGINT"
             self.client.delete_tag(self.run_id, TAG + "stop_reason")
         self.client.set_terminated(self.run_id, MLFLOW_STATUS.get(result.status, "FINISHED"))
+        self.release()
         return result
 
     def fail(self, error: BaseException) -> None:
@@ -457,6 +461,7 @@ class RunRecorder:
         except Exception:
             pass
         if isinstance(error, TrackingUnavailable):
+            self.release()
             return  # the server is away: nothing can be recorded
         ending = (
             f"**Ended: failed.** {error}\n\nCheckpoints saved so far are kept; continue with "
@@ -467,6 +472,7 @@ class RunRecorder:
             {"status": "failed", "stop_reason": str(error)[:4000], "mlflow.note.content": self.note(ending)},
         )
         self.client.set_terminated(self.run_id, "FAILED")
+        self.release()
 
     def interrupted(self, error: BaseException) -> RunInterrupted:
         """A signal stopped the run (SIGTERM, Ctrl-C): KILLED in MLflow, not FAILED; returns what to tell the user."""
@@ -490,7 +496,17 @@ class RunRecorder:
         )
         self.client.set_terminated(self.run_id, "KILLED")
         self.tracking.kill_running_children(self.run_id)  # a stage run the signal left open (one it came while made)
+        self.release()
         return stop
+
+    def hold(self) -> None:
+        """This process records the run (trainer/records.py `hold`): a pipeline run's, not a node's, whose run
+        directory is the node's own copy."""
+        hold(self.output_dir, f"the pipeline run {self.run_id}")
+
+    def release(self) -> None:
+        """The run ended here: another process may record it now (`ballast sync`, a resume)."""
+        release(self.output_dir)
 
 
 def headline(metrics: dict[str, float]) -> dict[str, float]:

@@ -10,7 +10,6 @@ model (trainer/multi.py), each ending with the TrainOutcome `run_training` would
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import nullcontext
@@ -24,6 +23,7 @@ from trainer.distributed import stop_when_others_are_lost
 from trainer.loop import Callbacks, GRPOTrainer, RunResult
 from trainer.model import ensure_model
 from trainer.multi import ConcurrentTrials, TrialJob, TrialOutcome
+from trainer.records import read_rows
 
 
 def run_training(
@@ -47,7 +47,7 @@ def run_training(
     try:
         if resume:
             trainer.resume()
-        earlier = _read_metrics(Path(output_dir) / "metrics.jsonl") if resume else []
+        earlier = read_rows(Path(output_dir) / "metrics.jsonl") if resume else []
         result = trainer.train(spec.optim.steps)
     finally:
         trainer.close()
@@ -63,12 +63,6 @@ def run_training(
         eval_start,
         result.interrupted,
     )
-
-
-def _read_metrics(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _lineage(source: ForkSource) -> dict:

@@ -409,7 +409,7 @@ def env_trainer(model_path, out, **sections):
 
 
 def test_a_step_on_episodes_trains_on_sampled_tokens_and_reports_episodes(tool_model, tmp_path):
-    from tasks.metrics_sink import read_rows
+    from trainer.records import read_rows
 
     t = env_trainer(tool_model, tmp_path)
     result = t.train(1)

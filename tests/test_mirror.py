@@ -31,7 +31,8 @@ from tasks.record import (
 from tasks.spec import load_spec
 from tasks.tracking import Tracking
 from trainer.checkpoint import step_dir_name
-from trainer.samples import EVAL_SAMPLES_FILE, SAMPLES_FILE, append_rows
+from trainer.records import append_rows
+from trainer.samples import EVAL_SAMPLES_FILE, SAMPLES_FILE
 
 EVAL_EVERY = 3
 

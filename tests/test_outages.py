@@ -27,8 +27,9 @@ import yaml
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
+from infra.mlflow_server import TrackingUnavailable
 from infra.store import open_store
-from tasks.metrics_sink import PENDING, append_pending, deliver, pending_count
+from tasks.metrics_sink import PENDING, MetricsSink, append_pending, deliver, pending_count
 from tests.conftest import REPO, tiny_spec
 from tests.s3_fixtures import TEST_REGION, _free_port
 from trainer.loop import Callbacks
@@ -233,6 +234,28 @@ def test_kept_metrics_are_sent_once_each_even_when_a_spool_is_sent_twice(tmp_pat
     assert sorted((m.step, m.value) for m in history) == [(1, 1.0), (2, 2.0), (3, 3.0)]
 
 
+def test_closing_the_sink_while_mlflow_hangs_says_so_within_its_limit_instead_of_returning_as_if_sent(
+    mlflow_server, tmp_path
+):
+    """A server that takes the last batch and never answers (stopped, not gone): close() waits close_seconds, then
+    says the metrics were not all taken — not a quiet return with the batch in a thread about to die."""
+    client = mlflow_server.client()
+    run_id = client.create_run(client.create_experiment("hang")).info.run_id
+    sink = MetricsSink(client, run_id, spool=tmp_path / PENDING)
+    sink.close_seconds = 2.0
+    os.killpg(mlflow_server.proc.pid, signal.SIGSTOP)
+    try:
+        sink.on_step(1, {"reward": 0.5})
+        started = time.monotonic()
+        with pytest.raises(TrackingUnavailable, match="still taking step metrics of run .* after 2 s"):
+            sink.close()
+        assert time.monotonic() - started < 30
+    finally:
+        os.killpg(mlflow_server.proc.pid, signal.SIGCONT)
+    sink.thread.join(timeout=WAIT_S)  # the server answers again: the batch it held lands
+    assert [m.step for m in client.get_metric_history(run_id, "reward")] == [1]
+
+
 # ── at start ───────────────────────────────────────────────────────────────────────────────────────
 
 
@@ -333,6 +356,30 @@ def test_tracking_server_that_stays_away_ends_the_run_naming_the_kept_metrics_an
     history = mlflow_server.client().get_metric_history(run_id, "reward")
     assert sorted(m.step for m in history) == list(range(1, STEPS + 1))
     assert not spool.exists()
+
+
+def test_a_live_run_is_not_synced_or_resumed_by_another_process_and_is_once_it_ended(tiny_model, tmp_path, prefect):
+    """Two processes recording one run each send the steps MLflow lacks (twice in MLflow) and one deletes the spool
+    the other writes: while the run trains, `ballast sync` and `ballast run --resume` of it are refused in one line
+    naming who records it; once it ended they go on."""
+    project, seen = tmp_path / "p", {}
+
+    def try_the_others():
+        run_id = run_dir(project).name
+        seen["sync"] = ballast("sync", run_id, "--project-dir", str(project))
+        seen["resume"] = ballast("run", "--resume", run_id, "--project-dir", str(project))
+
+    state, result = run(pipeline_spec(tiny_model, project), [AtStep({2: try_the_others})])
+    assert state.is_completed(), result
+    for name in ("sync", "resume"):
+        done = seen[name]
+        assert done.returncode == 2, done.stderr[-3000:]
+        line = one_line(done.stderr)
+        assert f"is in use by the pipeline run {result.run_id} (pid {os.getpid()} on " in line, line
+    history = MlflowClient(f"sqlite:///{project / 'mlflow.db'}").get_metric_history(result.run_id, "reward")
+    assert sorted(m.step for m in history) == list(range(1, STEPS + 1))  # each step once
+    synced = ballast("sync", result.run_id, "--project-dir", str(project))
+    assert synced.returncode == 0 and "metrics: none missing" in synced.stdout, synced.stderr[-3000:]
 
 
 # ── the store goes away mid-run ────────────────────────────────────────────────────────────────────

@@ -7,7 +7,8 @@ run, its samples tables each row once, and the final adapter must equal the unin
   is written, and the process dies before step 3's metrics reach MLflow; the resume starts after that checkpoint,
   so only the record (metrics.jsonl) has them.
 * `kill-after-logged:5` — MLflow took steps 4 and 5, past the checkpoint of step 3; the resume replays them, and
-  MLflow cannot delete a value.
+  MLflow cannot delete a value. The kill is made to land in the middle of the next step's appends too: each record
+  file ends in a torn row (no newline), as a SIGKILL during a write leaves it (trainer/records.py).
 
 bench/kill_resume.py repeats this at random moments.
 """
@@ -25,12 +26,12 @@ import yaml
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
-from tasks.metrics_sink import read_rows
 from tasks.record import EVAL_SAMPLES_TABLE, HEADLINE, HEADLINE_KEYS, SAMPLES_TABLE
 from tests.conftest import REPO, tiny_spec
 from trainer.checkpoint import step_dir_name
 from trainer.config import TrainerConfig
 from trainer.loop import GRPOTrainer
+from trainer.records import read_rows
 from trainer.samples import EVAL_SAMPLES_FILE, SAMPLES_FILE
 
 STEPS = 6
@@ -94,6 +95,9 @@ def killed_and_resumed(request, tiny_model, tmp_path_factory):
     else:  # MLflow had steps 4-5, past the checkpoint of step 3
         assert not (run_dir / "checkpoints" / step_dir_name(6)).exists()
         assert {4, 5} <= set(steps_in_mlflow(client, run_id, "reward"))
+        for name in ("metrics.jsonl", "prompts.jsonl", SAMPLES_FILE, EVAL_SAMPLES_FILE):
+            with open(run_dir / name, "a") as f:
+                f.write('{"step": 6, "reward": 0.4')  # the row the kill cut short
     resumed = ballast("run", "--resume", run_id, "--project-dir", str(project))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     return client, run_id, run_dir

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from tasks.fork import ForkSource
-from tasks.metrics_sink import read_rows
 from tasks.record import EVAL_SAMPLES_TABLE, SAMPLES_TABLE, RunRecorder, Tracking
 from tasks.results import TrainOutcome
 from tasks.spec import load_spec
 from tests.conftest import tiny_spec
 from trainer.checkpoint import list_checkpoints
-from trainer.samples import EVAL_SAMPLES_FILE, SAMPLES_FILE, append_rows, pick, sample_rows
+from trainer.records import append_rows, read_rows
+from trainer.samples import EVAL_SAMPLES_FILE, SAMPLES_FILE, pick, sample_rows
 
 ROW_KEYS = {"step", "prompt", "answer", "completion", "reward", "finish_reason", "truncated", "tokens"}
 

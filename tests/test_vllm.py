@@ -536,9 +536,9 @@ def test_a_population_shares_one_vllm_server_and_a_copy_is_served_as_a_new_prove
     verified copy of the winner: a new engine whose adapter versions have new names on the server, proved at steps 3
     and 4; the step after the copy it samples its source's tokens (the same prompts, seeds and weights); the
     retired member's adapter is gone from the server."""
-    from tasks.metrics_sink import read_rows
     from trainer.pbt import Knob, Policy
     from trainer.population import Population, member_configs, member_name
+    from trainer.records import read_rows
 
     policy = Policy(
         knobs=(Knob("grpo.beta", 1e-3, 0.2, log=True), Knob("optim.learning_rate", 3e-4, 1e-2, log=True)),
@@ -594,8 +594,8 @@ def test_multi_turn_episodes_train_through_vllm_with_only_sampled_tokens_carryin
     token ids: the sampled turns exactly as sampled, the inserted messages between them), the adapter pushed and
     proved before the step's episodes. The engine's logprobs of the model's own tokens agree with the trainer's; the
     inserted messages carry none and no loss."""
-    from tasks.metrics_sink import read_rows
     from tests.test_environment import env_trainer
+    from trainer.records import read_rows
 
     t = env_trainer(tool_model, tmp_path, rollout={"engine": "vllm", "vllm_url": served.server.url})
     assert isinstance(t.engine, VLLMEngine)

@@ -37,7 +37,6 @@ Reads top to bottom in the order the data flows. The choices, on purpose:
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import signal
@@ -83,10 +82,11 @@ from .model import (
     resolve_device,
 )
 from .perf import MemoryPlan, matmul_params, memory_plan, peak_flops, step_flops
+from .records import append_rows, keep_rows
 from .resume import config_hash, refuse_changed_config, resumable_view
 from .rewards import RewardComputer
 from .rollouts import RolloutBatch, RolloutProducer
-from .samples import EVAL_SAMPLES_FILE, SAMPLES_FILE, append_rows, sample_rows
+from .samples import EVAL_SAMPLES_FILE, SAMPLES_FILE, sample_rows
 
 
 class TrainingError(RuntimeError):
@@ -297,7 +297,7 @@ class GRPOTrainer:
         """The run's records (metrics, prompts, samples) cut back to the steps up to `last_step`."""
         if self.world.main:  # only rank 0 writes the run's records
             for name in ("metrics.jsonl", "prompts.jsonl", SAMPLES_FILE, EVAL_SAMPLES_FILE):
-                _truncate_metrics(self.out / name, last_step)
+                keep_rows(self.out / name, lambda row: row["step"] <= last_step)
 
     def _load_weights_and_optimizer(self, checkpoint: ckpt.Checkpoint, optim_state: dict) -> None:
         """A checkpoint saved by any world size (its optimizer state by position, or by name from a sharded run) into
@@ -596,8 +596,7 @@ class GRPOTrainer:
             return None
         eval_start = {"step": 0, **self.evaluate()}
         if self.world.main:  # only rank 0 records
-            with open(self.out / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(eval_start) + "\n")
+            append_rows(self.out / "metrics.jsonl", [eval_start])
             for cb in self.callbacks:
                 cb.on_step(0, eval_start)
         return eval_start
@@ -618,10 +617,8 @@ class GRPOTrainer:
         self.step = step
         stopped = self.gate.update(step, m)  # the same global metrics on every rank: the same answer
         if self.world.main:  # only rank 0 records and asks the callbacks; its answer is every rank's
-            with open(self.out / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(m) + "\n")
-            with open(self.out / "prompts.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, "prompt_indices": self.last_prompt_indices}) + "\n")
+            append_rows(self.out / "metrics.jsonl", [m])
+            append_rows(self.out / "prompts.jsonl", [{"step": step, "prompt_indices": self.last_prompt_indices}])
             for cb in self.callbacks:
                 cb.on_step(step, m)
             for cb in self.callbacks:
@@ -919,13 +916,6 @@ def _lr_lambda(schedule: str, warmup: int, total: int):
 def _latest_path(root: Path) -> Path | None:
     checkpoint = ckpt.latest_checkpoint(root)
     return checkpoint.path if checkpoint else None
-
-
-def _truncate_metrics(path: Path, last_step: int) -> None:
-    if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
-    path.write_text("".join(line + "\n" for line in kept))
 
 
 def _progress(enabled: bool):

@@ -13,15 +13,13 @@ completion's token count. A multi-turn episode's row adds `conversation`: every 
 Which k: the first truncated completions (batch order; k - 1 of them at most when k > 1),
 because a completion that ran into max_tokens is where a collapse starts; then the rest alternating best- and
 worst-paid, so the step's extremes are there. Rows keep batch order. The trainer only writes the files (no MLflow
-here); tasks/record.py logs them to MLflow as tables. A resumed run drops rows of steps after its checkpoint, as it
-does with metrics.jsonl.
+here; trainer/records.py appends them, safe under a kill); tasks/record.py logs them to MLflow as tables. A resumed
+run drops rows of steps after its checkpoint, as it does with metrics.jsonl.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from pathlib import Path
 
 SAMPLES_FILE = "samples.jsonl"
 EVAL_SAMPLES_FILE = "eval_samples.jsonl"
@@ -75,9 +73,3 @@ def sample_rows(
         if conversations is not None and conversations[i] is not None:
             rows[-1]["conversation"] = conversations[i]
     return rows
-
-
-def append_rows(path: Path, rows: list[dict]) -> None:
-    if rows:
-        with open(path, "a", encoding="utf-8") as f:
-            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
