@@ -176,10 +176,14 @@ class Judge:
 
 def record_confirmation(recorder: SweepRecorder, c: Confirmation) -> None:
     """The verdict on the study's parent run — metrics `confirm/*` and the lines as tag `confirmation` — and each
-    confirmed trial's score on the judging prompts on its own run (`Confirm/<metric>`)."""
-    rid, win = recorder.parent_run_id, c.candidate(c.claimed) or c.candidate(c.winner)
+    confirmed trial's score on the judging prompts on its own run (`Confirm/<metric>`). The metrics say what the
+    verdict's lines say: the winner (best on the judging prompts), its scores and seeds, and `confirm/claimed`, the
+    trial that beats the base model (the winner, or the runner-up when the winner did not hold), when one does."""
+    rid, win = recorder.parent_run_id, c.candidate(c.winner)
     metrics = {"confirm/baseline": c.baseline, "confirm/prompts": float(c.n_prompts), "confirm/trials": float(c.m)}
     metrics |= {"confirm/winner": float(win.number), "confirm/beats": float(c.beats), "confirm/seconds": c.seconds}
+    if c.claimed is not None:
+        metrics["confirm/claimed"] = float(c.claimed)
     metrics |= {f"confirm/{k}": float(win.judged[k]) for k in ("score", "gain", "ci95")}
     metrics["confirm/selection_gain"] = float(win.selection["gain"])
     if (spread := win.spread()) is not None and spread.n > 1:

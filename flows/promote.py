@@ -43,6 +43,11 @@ def pick_trial(study, which: str) -> int:
             f"--promote: study {study.study_name!r} has no confirmed verdict yet; run the sweep to its end "
             "(ballast sweep FILE), or name a trial: --promote N"
         )
+    if why := c.stale_reason(study):
+        raise SweepError(
+            f"--promote: {why}; run the sweep to its end (ballast sweep FILE) for the verdict, or name a trial: "
+            "--promote N"
+        )
     if c.claimed is None:
         raise SweepError(
             f"--promote: no trial of {study.study_name!r} beat the base model on confirmation and every seed (the "

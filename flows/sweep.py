@@ -36,7 +36,7 @@ from flows.machine import load_warning
 from flows.trials import choose_runner, in_process_runner
 from flows.trials.workers import worker_budget
 from sweeps.baseline import BASELINE_ATTR, Baseline, load_baseline
-from sweeps.once import delete_locks, run_once
+from sweeps.once import delete_locks, in_progress, run_once
 from sweeps.report import SweepSummary, plot_study, summarize
 from sweeps.runner import Budget
 from sweeps.space import base_spec, baseline_spec, load_sweep
@@ -264,5 +264,7 @@ def ballast_sweep_worker(
     in_process_runner(sweep, label).run(st, sweep, recorder, worker_budget(target(st)))
     if summary and n_done(st) >= target(st):
         confirm_sweep(st, sweep, recorder, label=label, wait=False)  # another worker confirming: left to it
+        if in_progress(st, "confirmation"):  # its worker writes the summary and the parent run's verdict when done
+            return None
         return summary_task(st, sweep, recorder, storage)
     return None

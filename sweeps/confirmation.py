@@ -115,6 +115,8 @@ class Confirmation:
     seed_steps: int = 0
     seed_seconds: float = 0.0
     seed_tokens: dict[str, float] = field(default_factory=dict)
+    complete: bool = True  # False while it is being made (stored as it goes): no verdict yet
+    trials_done: int | None = None  # COMPLETE + PRUNED trials when it was made: more since, and it is out of date
 
     def candidate(self, number: int | None) -> Candidate | None:
         return next((c for c in self.candidates if c.number == number), None)
@@ -125,6 +127,19 @@ class Confirmation:
 
     def plus_minus(self) -> str:
         return plus_minus(self.z, self.m)
+
+    def stale_reason(self, study) -> str | None:
+        """Why this is not the study's verdict now — it is not finished, or trials ended after it was made — or None
+        when it stands."""
+        if not self.complete:
+            return "the confirmation has not finished (a worker is making it, or was stopped in it)"
+        done = _trials_done(study)
+        if self.trials_done is not None and done > self.trials_done:
+            return (
+                f"the confirmation was made on the first {self.trials_done} trials and {done} are done now; it is "
+                "made again when the search ends"
+            )
+        return None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -168,6 +183,7 @@ def confirm(
     out = Confirmation(
         first.key, first.direction, judged_on, len(base), split.n_selection, len(top), z, sweep.confirm.seeds,
         asdict(split), [_candidate(t, first.direction) for t in top], baseline=sum(base) / len(base),
+        complete=False, trials_done=_trials_done(study),
     )  # fmt: skip
     for c, t in zip(out.candidates, top):
         c.judged = _judged_gain(c, t, name, base, split, score, cache, out, log).to_dict()
@@ -176,8 +192,13 @@ def confirm(
     _run_seeds(out, sweep, name, base, retrain, cache, log)
     out.claimed = next((c.number for c in _finalists(out) if c.holds()), None)
     out.seconds = time.perf_counter() - started
+    out.complete = True
     _stored(study, out)
     return out
+
+
+def _trials_done(study) -> int:
+    return sum(1 for t in study.get_trials(deepcopy=False) if t.state in (TrialState.COMPLETE, TrialState.PRUNED))
 
 
 def ranked_trials(study: optuna.Study, direction: str) -> list[FrozenTrial]:
@@ -305,33 +326,48 @@ def verdict_lines(c: Confirmation) -> list[str]:
     )
     if c.judged_on == "confirmation":
         first += f"; on the selection prompts it scored {s['score']:.3g}"
-    out = [first, _seeds_line(c, win), _claim_line(c)]
+    out = [first, *_seeds_lines(c), _claim_line(c)]
     if line := _kept_line(c):
         out.append(line)
     out.append(f"{c.plus_minus()}; 'beats the base model' = the interval lies above zero on every training seed")
     return [line for line in out if line]
 
 
-def _seeds_line(c: Confirmation, win: Candidate) -> str | None:
+def _seeds_lines(c: Confirmation) -> list[str]:
+    """The seed spread of each finalist (the winner, the runner-up) that was trained again."""
     if c.seeds <= 1:
-        return "seeds: one training seed (confirm.seeds: 3 trains the winner twice more, to see whether its gain holds)"
-    if not win.seeds:
-        return "seeds: not run — the winner did not clear its interval, so there is nothing to hold across seeds"
-    spread = win.spread()
-    failed = [s for s in win.seeds if s["gain"] is None]
-    note = f"; {len(failed)} seed run{'s' * (len(failed) != 1)} did not finish" if failed else ""
-    return f"seeds: trial {win.number} {spread.describe()}, each ± {win.judged['ci95']:.2g}{note}"
+        return [
+            "seeds: one training seed (confirm.seeds: 3 trains the winner twice more, to see whether its gain holds)"
+        ]
+    ran = [cand for cand in (c.candidate(c.winner), c.candidate(c.runner_up)) if cand is not None and cand.seeds]
+    if not ran:
+        who = "the winner" if c.runner_up is None else "neither the winner nor the runner-up"
+        verb = "did not clear its interval" if c.runner_up is None else "cleared its interval"
+        return [f"seeds: not run — {who} {verb}, so there is nothing to hold across seeds"]
+    out = []
+    if c.winner not in {cand.number for cand in ran}:
+        out.append(f"seeds: not run for the winner, trial {c.winner}, which did not clear its interval")
+    for cand in ran:
+        failed = [s for s in cand.seeds if s["gain"] is None]
+        note = f"; {len(failed)} seed run{'s' * (len(failed) != 1)} did not finish" if failed else ""
+        out.append(f"seeds: trial {cand.number} {cand.spread().describe()}, each ± {cand.judged['ci95']:.2g}{note}")
+    return out
+
+
+def _why_not(cand: Candidate) -> str:
+    return "did not clear its interval" if not cand.judged["beats_baseline"] else "did not hold on every seed"
 
 
 def _claim_line(c: Confirmation) -> str:
-    claimed = c.candidate(c.claimed)
+    claimed, win, runner = c.candidate(c.claimed), c.candidate(c.winner), c.candidate(c.runner_up)
     if claimed is None:
-        win = c.candidate(c.winner)
-        why = "did not clear its interval" if not win.judged["beats_baseline"] else "did not hold on every seed"
-        return f"no trial beat the base model: the best, trial {win.number}, {why}"
+        line = f"no trial beat the base model: the best, trial {win.number}, {_why_not(win)}"
+        if runner is not None and runner.judged and runner.judged["beats_baseline"]:  # seeds were spent on it too
+            line += f"; the runner-up, trial {runner.number}, {_why_not(runner)}"
+        return line
     seeds = f" on all {1 + len(claimed.seeds)} seeds" if claimed.seeds else ""
-    runner = " (the runner-up: the winner did not hold on every seed)" if claimed.number != c.winner else ""
-    return f"trial {claimed.number} beats the base model{seeds}{runner}"
+    behind = f" (the runner-up: the winner, trial {win.number}, {_why_not(win)})" if claimed.number != c.winner else ""
+    return f"trial {claimed.number} beats the base model{seeds}{behind}"
 
 
 def _kept_line(c: Confirmation) -> str | None:

@@ -98,6 +98,13 @@ def run_once(
     return False
 
 
+def in_progress(study: optuna.Study, step: str) -> bool:
+    """Whether a worker holds the step now (a claim neither finished nor cleared): after run_once(wait=False)
+    returned False, the step is another live worker's, not done."""
+    held = study.user_attrs.get(CLAIM_ATTR + step) or {}
+    return bool(held) and not (held.get("finished") or held.get("cleared"))
+
+
 def _lock_name(study: optuna.Study, step: str, r: int) -> str:
     return f"{study.study_name}{LOCK_INFIX}{step}.{r}"
 

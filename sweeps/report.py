@@ -165,6 +165,7 @@ class SweepSummary:
     timed_out: bool = False  # the --timeout budget ended the sweep
     compute: ComputeTotal = field(default_factory=ComputeTotal)  # trial wall time; provisioned nodes summed
     confirmation: dict | None = None  # sweeps/confirmation.py Confirmation: the verdict, made after the search
+    confirmation_note: str | None = None  # why the stored confirmation is not the verdict (unfinished, out of date)
     cost: dict = field(default_factory=dict)  # what the answer cost (`cost_of`)
 
     def confirmed(self) -> Confirmation | None:
@@ -196,7 +197,12 @@ class SweepSummary:
         return self.objective_keys[0]
 
     def baseline_score(self) -> float | None:
-        return (self.baseline or {}).get("metrics", {}).get(self.objective_key)
+        """The base model's score on the prompts the trials' scores and gains are on (the selection part of a split
+        held-out set): the one a trial's gain is its score minus."""
+        b = self.baseline or {}
+        if b.get("selection"):
+            return b["selection"][0]
+        return b.get("metrics", {}).get(self.objective_key)
 
     def baseline_line(self) -> str | None:
         b = self.baseline
@@ -206,7 +212,14 @@ class SweepSummary:
         if score is None:
             return None
         ci = f" ± {Z95 * se:.2g}" if se is not None else ""
-        return f"baseline: {self.objective_key} {score:.3g}{ci} for {b['source']}"
+        line = f"baseline: {self.objective_key} {score:.3g}{ci} for {b['source']}"
+        part = b.get("selection")
+        if part and part[1] < b.get("n_prompts", part[1]):  # the trials were scored on a part of the held-out set
+            line += (
+                f" on all {b['n_prompts']} held-out prompts; {part[0]:.3g} on the {part[1]} selection prompts the "
+                "trials' gains are paired with"
+            )
+        return line
 
     def split_line(self) -> str:
         """How the held-out prompts were dealt into selection and confirmation (sweeps/split.py), in words."""
@@ -272,6 +285,8 @@ class SweepSummary:
         out = [f"sweep {self.study}: {states}; {self.trial_steps} trial-steps{ended}"]
         if line := self.baseline_line():
             out.append(line)
+        if self.confirmation_note:
+            out.append(f"no confirmed verdict: {self.confirmation_note}")
         if confirmed := self.confirmation_lines():
             out += confirmed
         elif line := self.verdict_line():
@@ -358,6 +373,20 @@ def trial_row(t: optuna.trial.FrozenTrial, sweep: SweepSpec) -> dict:
     }
 
 
+def _baseline_row(study: optuna.Study, baseline, key: str) -> dict:
+    """The baseline as the summary shows it: its scores on every held-out prompt and, as (score, prompts), on the
+    prompts the trials were scored on."""
+    from .baseline import PER_PROMPT
+
+    n = len(baseline.per_prompt.get(PER_PROMPT.get(key, ""), []))
+    return {
+        "source": baseline.source,
+        "metrics": baseline.metrics,
+        "n_prompts": n,
+        "selection": selection_baseline(study, key),
+    }
+
+
 def summarize(study: optuna.Study, sweep: SweepSpec) -> SweepSummary:
     trials = study.get_trials(deepcopy=False)
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
@@ -379,13 +408,15 @@ def summarize(study: optuna.Study, sweep: SweepSpec) -> SweepSummary:
         pruned_by_pruner=sum(1 for t in trials if t.user_attrs.get("pruned_by") == "pruner"),
         trials=[trial_row(t, sweep) for t in trials],
         importances=importances(study, sweep),
-        baseline={"source": baseline.source, "metrics": baseline.metrics} if baseline else None,
+        baseline=_baseline_row(study, baseline, sweep.objectives[0].key) if baseline else None,
         planned_steps=planned,
         steps_saved=planned - ran,
         compute=compute_total(study, trials),
     )
     confirmed = load_confirmation(study)
     out.cost = cost_of(study, trials, out, confirmed)
+    if confirmed is not None and (why := confirmed.stale_reason(study)):  # no verdict: the trials' ranking alone
+        out.confirmation_note, confirmed = why, None
     if confirmed is not None:  # the verdict was made after the search: its claim is the best, else its winner closest
         out.confirmation = json.loads(confirmed.to_json())
         rows = {t.number: t for t in trials}
@@ -443,7 +474,7 @@ def plot_study(study: optuna.Study, sweep: SweepSpec, out_dir: Path) -> tuple[li
     n_complete = sum(1 for r in rows if r["kind"] == "COMPLETE")
     base = _plot_baseline(study, key)
     jobs = {
-        "optimization_history": lambda: _history(scored, key, base),
+        "optimization_history": lambda: _history(scored, key, base, sweep.objectives[0].direction),
         "parallel_coordinate": lambda: _parallel(scored, sweep, key, base),
         "slice": lambda: _slice(scored, sweep, key, base),
         "intermediate_values": lambda: _intermediate(trials, sweep, study, base),
@@ -479,17 +510,26 @@ def _plot_baseline(study: optuna.Study, key: str) -> tuple[float, float] | None:
     """(the base model's score on the prompts the trials were scored on, 0): the line a trial's own paired interval
     (its error bar) is read against — a bar wholly above it is the ✓ of the tables, computed as the verdict is. No
     band: the base model's own interval is not what a trial must clear."""
+    baseline = load_baseline(study)
+    if baseline is None:
+        return None
+    if (part := selection_baseline(study, key)) is not None:
+        return part[0], 0.0
+    return (baseline.score(key), 0.0) if baseline.score(key) is not None else None
+
+
+def selection_baseline(study: optuna.Study, key: str) -> tuple[float, int] | None:
+    """(the base model's mean score, the prompts) on the prompts the trials were scored on — the selection part of
+    a split held-out set, else all of it —, the score each trial's gain is paired with; None without per-prompt
+    scores of `key`."""
     from .baseline import PER_PROMPT
     from .split import load_split
 
     baseline = load_baseline(study)
-    if baseline is None:
-        return None
-    per, split = baseline.per_prompt.get(PER_PROMPT.get(key, ""), []), load_split(study)
-    part = split.selection(per) if per and split is not None else per
-    if part:
-        return sum(part) / len(part), 0.0
-    return (baseline.score(key), 0.0) if baseline.score(key) is not None else None
+    per = baseline.per_prompt.get(PER_PROMPT.get(key, ""), []) if baseline else []
+    split = load_split(study) if per else None
+    part = split.selection(per) if split is not None else per
+    return (sum(part) / len(part), len(part)) if part else None
 
 
 def _kind(t: optuna.trial.FrozenTrial) -> str:
@@ -546,14 +586,15 @@ def _legend_kinds(rows_or_kinds) -> list:
     return [plt.Line2D([], [], color=c, label=LABELS[k]) for k, c in COLOURS.items() if k != "FAIL" and k in kinds]
 
 
-def _history(rows: list[dict], key: str, base) -> plt.Figure:
+def _history(rows: list[dict], key: str, base, direction: str = "maximize") -> plt.Figure:
     fig, ax = plt.subplots(figsize=(7, 4))
     _scatter_by_kind(ax, rows, lambda r: r["number"])
     complete = sorted((r["number"], r["score"]) for r in rows if r["kind"] == "COMPLETE")
     if complete:
-        best, xs, ys = -math.inf, [], []
+        better = max if direction == "maximize" else min
+        best, xs, ys = complete[0][1], [], []
         for n, v in complete:
-            best = max(best, v)
+            best = better(best, v)
             xs.append(n)
             ys.append(best)
         ax.step(xs, ys, where="post", color=COLOURS["COMPLETE"], alpha=0.5, label="best so far")

@@ -159,8 +159,9 @@ class ObjectiveSpec(_Strict):
     )
     report: str | None = Field(
         None,
-        description="Step metric reported to the pruner each step; default 'reward' "
-        "for an eval objective, the metric itself for a step metric.",
+        description="Step metric reported to the pruner each step; default the training-step counterpart of an "
+        "eval objective ('reward' for eval/reward and eval/accuracy, 'completions/mean_length' for eval/mean_length), "
+        "the metric itself for a step metric.",
     )
 
     @model_validator(mode="after")
@@ -178,6 +179,8 @@ class ObjectiveSpec(_Strict):
     def report_metric(self) -> str | None:
         if self.report:
             return self.report
+        if self.metric == "eval/mean_length":  # reported in the objective's direction: a length, not a reward
+            return "completions/mean_length"
         if self.metric.startswith("eval/"):
             return "reward"
         return self.metric if is_step_metric(self.metric) else None

@@ -225,6 +225,16 @@ def test_successive_halving_prunes_on_the_held_out_score_when_trials_evaluate(tm
     assert report_metric(sweep_of(tmp_path), trial_spec(sweep_of(tmp_path), {})) == "reward"  # no in-training eval
 
 
+def test_a_minimised_length_objective_reports_the_training_length_to_the_pruner_not_the_reward(tmp_path):
+    """The pruner compares reported values in the objective's direction: for eval/mean_length (minimise) the training
+    reward, better when higher, would stop the trials paid the most."""
+    from sweeps.pruning import report_metric
+    from sweeps.space import trial_spec
+
+    sweep = sweep_of(tmp_path, objectives=[{"metric": "eval/mean_length", "direction": "minimize"}])
+    assert report_metric(sweep, trial_spec(sweep, {})) == "completions/mean_length"
+
+
 # ── the page ───────────────────────────────────────────────────────────────────────────────────────
 
 

@@ -71,8 +71,10 @@ def test_the_verdict_is_made_on_the_confirmation_prompts_with_the_selection_scor
 def test_the_parent_run_and_the_summary_carry_the_confirmed_verdict(confirmed_sweep):
     parent, summary, study = confirmed_sweep["parent"], confirmed_sweep["summary"], confirmed_sweep["study"]
     c = load_confirmation(study)
-    win = c.candidate(c.claimed) or c.candidate(c.winner)
+    win = c.candidate(c.winner)  # the verdict's first line: "best on confirmation: trial W"
+    assert parent.data.metrics["confirm/winner"] == c.winner
     assert parent.data.metrics["confirm/score"] == pytest.approx(win.judged["score"])
+    assert parent.data.metrics.get("confirm/claimed") == (None if c.claimed is None else float(c.claimed))
     assert parent.data.metrics["confirm/selection_gain"] == pytest.approx(win.selection["gain"])
     assert parent.data.metrics["confirm/prompts"] == 4
     assert parent.data.tags["ballast.confirmed_on"] == "confirmation"

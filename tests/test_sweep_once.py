@@ -14,7 +14,7 @@ import time
 import optuna
 import pytest
 
-from sweeps.once import CLAIM_ATTR, _lock, delete_locks, run_once
+from sweeps.once import CLAIM_ATTR, _lock, delete_locks, in_progress, run_once
 from tests.conftest import postgres_database
 
 FAST = {"beat_s": 0.2, "stale_s": 1.5, "poll_s": 0.1}
@@ -107,9 +107,12 @@ def test_a_worker_that_does_not_wait_leaves_the_step_to_the_live_owner(storage, 
     ((_, did, result, said, seconds),) = _results(*_start(storage, log, 1, wait=False))
     assert not did and result is None and seconds < 5.0  # left to the owner, which still works: one beat, not 40 s
     assert said[-1].endswith("is doing it; its result lands on the study and the sweep's MLflow run")
+    study = optuna.load_study(study_name="s", storage=storage)
+    assert in_progress(study, "step")  # what the worker that left it reads: not done, another's (no summary from it)
     (tmp_path / "did.log.release").touch()
     ((_, did, *_),) = _results(*owner)
     assert did and len(log.read_text().split()) == 1
+    assert not in_progress(optuna.load_study(study_name="s", storage=storage), "step")
 
 
 def test_the_claim_of_a_killed_process_of_this_machine_is_taken_over_at_once(tmp_path):
