@@ -235,6 +235,11 @@ class SweepSummary:
         if lines := self.confirmation_lines():
             claim = next(line for line in lines if " beat" in line and line.startswith(("trial ", "no trial")))
             return f"{claim}; {lines[0]}"
+        if self.best and self.best.get("gain") is not None and self.confirmation_note:  # a ranking, not a claim
+            return (
+                f"not confirmed; best on the selection prompts: trial {self.best['number']}, "
+                f"{describe_gain(self.best, self.objective_key)}"
+            )
         if self.best and self.best.get("gain") is not None:
             return f"best: trial {self.best['number']}, {describe_gain(self.best, self.objective_key)}"
         if self.best:

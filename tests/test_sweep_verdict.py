@@ -98,6 +98,7 @@ def test_a_confirmation_made_before_more_trials_ended_is_out_of_date(confirmed):
     one_more_trial(study, sweep)  # `--trials` raised and the search went on
     s = summarize(study, sweep)
     assert s.confirmation is None
+    assert s.verdict_line().startswith("not confirmed; best on the selection prompts: trial ")
     assert s.confirmation_note == (
         "the confirmation was made on the first 12 trials and 13 are done now; it is made again when the search ends"
     )
