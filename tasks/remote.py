@@ -13,7 +13,7 @@ the tracking and artifact store resolved to the ones the flow uses and the proje
    so a relaunched node — after a preemption — resumes as `ballast run --resume` does; with no checkpoint yet,
    the run starts from its fork source (fetched from the store) or the base model;
 2. runs the trainer with the same callbacks as in the flow's process: metrics to MLflow through `MetricsSink`
-   in its `replayed` mode (a (metric, step) MLflow already holds is not sent again, so a replayed step is never
+   as a resumed run's (`record=`: a (metric, step) MLflow already holds is not sent again, so a replayed step is never
    duplicated), each checkpoint to the store as it is saved, and the run's files next to it; SIGTERM (a
    preemption) stops it at a safe point, after a checkpoint;
 3. prints each step as one `ballast-step {json}` line, which the flow turns back into the same progress lines
