@@ -61,6 +61,8 @@ def ballast_pbt(file: str, overrides: list[str] | None = None, resume: bool = Fa
     pop.refuse_a_second_start(resume)
     root = population_root(pop)
     recorder = PopulationRecorder(pop, root)
+    if not resume:  # refuse_a_second_start: no save there, at most an attempt that stopped before its first
+        recorder.discard_unsaved_attempt()
     parent = recorder.open()
     print(
         f"population {pop.name}: {pop.pbt.population} members, ranked every {pop.pbt.ready} steps; MLflow run {parent}"
@@ -70,16 +72,16 @@ def ballast_pbt(file: str, overrides: list[str] | None = None, resume: bool = Fa
         recorder.record_end(result, None, [root / POPULATION_FILE])
         return PopulationSummary(pop.name, str(root), result.step, None, interrupted=result.interrupted)
     confirmed = confirm_task(pop, result, root / "cache")
-    replay = write_replay(pop, result, root)
+    replay = write_replay(pop, result, root) if result.winner is not None else None  # every member collapsed: none
     page = write_population_page(pop, result, confirmed, root / "pbt.html")
-    recorder.record_end(result, confirmed, [root / POPULATION_FILE, replay, page])
+    recorder.record_end(result, confirmed, [f for f in (root / POPULATION_FILE, replay, page) if f is not None])
     summary = PopulationSummary(
         pop.name,
         str(root),
         result.step,
         member_name(result.winner) if result.winner is not None else None,
         confirmed.__dict__ | {"gain": confirmed.gain} if confirmed else None,
-        str(replay),
+        str(replay) if replay else None,
         str(page),
         replacements=len(result.events),
     )
@@ -88,7 +90,7 @@ def ballast_pbt(file: str, overrides: list[str] | None = None, resume: bool = Fa
 
 
 def _lines(s: PopulationSummary, confirmed: Confirmed | None, result) -> list[str]:
-    out = [f"population {s.name}: {s.step} steps, {s.replacements} replacements; winner {s.winner}"]
+    out = [f"population {s.name}: {s.step} steps, {s.replacements} replacements; winner {s.winner or 'none'}"]
     scores = ", ".join(f"{member_name(i)} {v:.3f}" for i, v in sorted(result.scores.items()))
     out.append(f"  selection scores at step {s.step}: {scores}")
     if confirmed is not None:
@@ -96,7 +98,10 @@ def _lines(s: PopulationSummary, confirmed: Confirmed | None, result) -> list[st
             f"  confirmed on {confirmed.n_prompts} {confirmed.part} prompts: winner {confirmed.winner:.3f} vs base "
             f"model {confirmed.baseline:.3f} (gain {confirmed.gain:+.3f})"
         )
-    out.append(f"  replay the winner's schedule: ballast run {s.replay}")
+    if s.replay:
+        out.append(f"  replay the winner's schedule: ballast run {s.replay}")
+    else:
+        out.append("  no winner: every member's health gate tripped (collapsed); no schedule to replay")
     out.append(f"  summary page: {s.page}")
     return out
 

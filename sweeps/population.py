@@ -110,7 +110,8 @@ def load_population(path: str | Path, sets: list[str] | tuple = ()) -> Populatio
     here = path.resolve().parent
     if isinstance(data.get("base"), str) and not Path(data["base"]).is_absolute():
         data["base"] = str(here / data["base"])
-    if isinstance((data.get("confirm") or {}).get("data"), str) and not Path(data["confirm"]["data"]).is_absolute():
+    confirm = data.get("confirm")
+    if isinstance(confirm, dict) and isinstance(confirm.get("data"), str) and not Path(confirm["data"]).is_absolute():
         data["confirm"]["data"] = str(here / data["confirm"]["data"])
     data.setdefault("study", path.stem)
     sweep = load_sweep(data, sets)

@@ -19,10 +19,13 @@ from trainer.evaluate import score_held_out
 from trainer.rewards import RewardComputer
 
 
-def eval_checkpoint(spec: ExperimentSpec, checkpoint_uri: str, cache_dir: Path) -> EvalResult:
+def eval_checkpoint(
+    spec: ExperimentSpec, checkpoint_uri: str, cache_dir: Path, examples: list | None = None
+) -> EvalResult:
+    """The checkpoint's held-out scores: on the spec's held-out set, or on `examples` (a confirmation file's)."""
     checkpoint = fetch_checkpoint(checkpoint_uri, cache_dir)
     model, tokenizer = checkpoint.load_policy(spec.model, spec.lora)
-    _, held_out = load_datasets(spec.data)
+    held_out = examples if examples is not None else load_datasets(spec.data)[1]
     rewards = RewardComputer(
         spec.rewards, output_dir=cache_dir
     )  # a judge's answers are cached there: a resume pays once
@@ -32,14 +35,14 @@ def eval_checkpoint(spec: ExperimentSpec, checkpoint_uri: str, cache_dir: Path) 
     return EvalResult(str(checkpoint_uri), checkpoint.step, metrics, samples, per_prompt)
 
 
-def eval_baseline(spec, source, cache_dir: Path) -> EvalResult:
-    """The held-out scores of what a run of `spec` starts from: `source` is its fork stage's ForkSource (the base
-    model alone, or a verified checkpoint whose adapter is loaded as the run would load it)."""
+def eval_baseline(spec, source, cache_dir: Path, examples: list | None = None) -> EvalResult:
+    """The held-out scores (on `examples`, when given) of what a run of `spec` starts from: `source` is its fork
+    stage's ForkSource (the base model alone, or a verified checkpoint whose adapter is loaded as the run would)."""
     from trainer.model import load_policy
 
     adapter = str(source.adapter_dir) if source.adapter_dir is not None else None
     model, tokenizer = load_policy(spec.model, spec.lora, adapter_path=adapter, trainable=False)
-    _, held_out = load_datasets(spec.data)
+    held_out = examples if examples is not None else load_datasets(spec.data)[1]
     rewards = RewardComputer(spec.rewards, output_dir=cache_dir)
     metrics, per_prompt, samples = score_held_out(model, tokenizer, held_out, spec.eval, rewards, spec.data)
     where = source.checkpoint_uri or f"base model {spec.model.name_or_path}"

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from sweeps.population import PopulationSpec
-from tasks.eval import eval_baseline, eval_checkpoint
+from tasks.eval import eval_baseline, eval_checkpoint, judging_examples
 from tasks.fork import ForkSource
 from tasks.spec import validate_spec
 from tasks.tracking import Tracking, user_name
@@ -51,7 +52,7 @@ class Confirmed:
     winner: float
     baseline: float
     n_prompts: int
-    part: str  # "confirmation" or "selection" (a held-out set too small to split: optimistic)
+    part: str  # "confirmation", "confirm.data" (the user's file) or "selection" (too few to split: optimistic)
 
     @property
     def gain(self) -> float:
@@ -90,14 +91,13 @@ def confirm_winner(pop: PopulationSpec, result: PopulationResult, cache: Path) -
     split = pop.split()
     data = pop.spec().model_dump(mode="json")
     data["eval"]["split"] = split.confirmation_eval()
-    part = "confirmation" if split.kind == "split" else "selection"
-    if split.kind == "file":
-        data["data"]["eval_path"] = split.confirmation_file
+    part = {"split": "confirmation", "file": "confirm.data"}.get(split.kind, "selection")
     spec = validate_spec(data, "confirmation spec")
+    examples = judging_examples(spec, split) if split.kind == "file" else None  # the user's rows, whatever data.source
     winner = result.members[result.winner]
     spec_w = validate_spec({**data, "lora": winner["cfg"]["lora"]}, "confirmation spec")
-    won = eval_checkpoint(spec_w, winner["checkpoint"], cache)
-    base = eval_baseline(spec, ForkSource(), cache)
+    won = eval_checkpoint(spec_w, winner["checkpoint"], cache, examples)
+    base = eval_baseline(spec, ForkSource(), cache, examples)
     key = pop.objective
     n = len(next(iter(won.per_prompt.values()), []))
     return Confirmed(won.metrics[key], base.metrics[key], n, part)
@@ -154,6 +154,22 @@ class PopulationRecorder:
         self.pop, self.root = pop, root
         self.tracking = Tracking(pop.spec())
         self.runs = json.loads((root / RUNS_FILE).read_text()) if (root / RUNS_FILE).is_file() else {}
+
+    def discard_unsaved_attempt(self) -> None:
+        """A fresh start over an attempt that stopped before its first save (a kill, a crash: nothing to resume):
+        that attempt's runs end FAILED and its members' folders go, so the new attempt's runs and records start
+        empty instead of taking over the old runs (their params, their steps) and appending to the old records."""
+        for run_id in self.runs.values():
+            try:
+                self.tracking.set_tags(run_id, {"status": "failed", "stop_reason": "stopped before its first save"})
+                self.tracking.client.set_terminated(run_id, "FAILED")
+            except Exception as e:  # the old runs are a record to close, not a reason to stop the new start
+                print(f"population {self.pop.name}: an earlier attempt's run {run_id} was not closed: {e}", flush=True)
+        self.runs = {}
+        (self.root / RUNS_FILE).unlink(missing_ok=True)
+        for d in self.root.glob("member-*"):
+            if d.is_dir():
+                shutil.rmtree(d)
 
     def open(self) -> str:
         """The parent run and the members' child runs: created on a first start, found again on a resume."""

@@ -167,6 +167,68 @@ def test_ctrl_c_saves_the_population_and_names_the_resume_command_which_finishes
         assert [m.step for m in client.get_metric_history(runs[name], "pbt/beta")] == [1, 2, 3, 4]
 
 
+def test_a_population_whose_every_member_collapses_ends_without_a_winner_and_so_does_its_resume(tiny_model, tmp_path):
+    """Every member's gate trips at the last step (no replacement there): no winner to confirm or replay — exit 3 and
+    a line that says so (it raised a TypeError writing winner.yaml) — and a resume of that save, which trains no more
+    steps, finds the same: which members collapsed is saved with them (a resume forgot it and named one winner)."""
+    path = population_file(tmp_path, tiny_model)
+    data = yaml.safe_load(path.read_text())
+    data["base"]["health"] = {"min_step": 4, "patience": 1, "kl_max": -1.0}  # KL >= 0: trips at step 4, the last
+    path.write_text(yaml.safe_dump(data))
+    root = tmp_path / "project" / "populations" / "tiny-pbt"
+    for args in ([], ["--resume"]):
+        done = ballast("pbt", str(path), *args)
+        assert done.returncode == 3, done.stderr[-3000:]
+        assert "winner none" in done.stdout and "no winner: every member's health gate tripped" in done.stdout
+        assert not (root / "winner.yaml").exists()
+    members = json.loads((root / "population.json").read_text())["members"]
+    assert all(m["collapsed"] and m["collapsed"].startswith("collapsed") for m in members), members
+
+
+def test_a_confirmation_file_of_ones_own_judges_the_winner_whatever_the_data_source(tiny_model, tmp_path):
+    """`confirm.data` with a built-in data.source (the quickstart's arith): the winner is scored on the file's rows
+    (its eval_path, which a built-in source ignores, was all it set: the selection prompts judged it again)."""
+    rows = [{"prompt": f"{a}+{a}", "answer": str(2 * a)} for a in range(10, 15)]
+    (tmp_path / "confirm.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = population_file(tmp_path, tiny_model)
+    data = yaml.safe_load(path.read_text())
+    data["confirm"]["data"] = "confirm.jsonl"
+    path.write_text(yaml.safe_dump(data))
+    done = ballast("pbt", str(path))
+    assert done.returncode in (0, 3), done.stderr[-3000:]
+    assert "confirmed on 5 confirm.data prompts" in done.stdout, done.stdout[-2000:]
+
+
+def test_a_fresh_start_over_an_attempt_killed_before_its_first_save_opens_new_runs_and_records(tiny_model, tmp_path):
+    """Killed inside its first save (the members' checkpoints written, population.json not): nothing to resume, so
+    a plain start runs again — in new MLflow runs (it took over the dead attempt's, its params and its logged
+    steps) with member records that hold each step once; the dead attempt's runs end FAILED."""
+    path = population_file(tmp_path, tiny_model)
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    killed = subprocess.run(
+        [sys.executable, "-c", CLI, "pbt", str(path)],
+        cwd=REPO,
+        env={**environment, "BALLAST_FAULT": "kill-in-population-save:2"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    root = tmp_path / "project" / "populations" / "tiny-pbt"
+    assert not (root / "population.json").exists()
+    old = json.loads((root / "mlflow.json").read_text())
+    done = ballast("pbt", str(path))
+    assert done.returncode in (0, 3), done.stderr[-3000:]
+    runs = json.loads((root / "mlflow.json").read_text())
+    assert not set(runs.values()) & set(old.values())
+    client = MlflowClient(f"sqlite:///{tmp_path / 'project' / 'mlflow.db'}")
+    assert {client.get_run(r).info.status for r in old.values()} == {"FAILED"}
+    for name in ("member-00", "member-01"):
+        steps = [json.loads(line)["step"] for line in (root / name / "metrics.jsonl").read_text().splitlines()]
+        assert sorted(steps) == sorted(set(steps)), (name, steps)
+        assert [m.step for m in client.get_metric_history(runs[name], "pbt/beta")] == [1, 2, 3, 4]
+
+
 def test_validate_checks_a_population_file_as_ballast_pbt_would_without_running_it():
     done = ballast("validate", "examples/pbt.yaml")
     assert done.returncode == 0, done.stderr[-2000:]
@@ -174,3 +236,15 @@ def test_validate_checks_a_population_file_as_ballast_pbt_would_without_running_
     assert lines[0].startswith("examples/pbt.yaml: valid population")
     assert "8 members, ranked every 5 steps on eval/reward" in lines[1]
     assert "64 selection prompts" in lines[2]
+
+
+def test_a_confirm_section_that_is_not_a_mapping_is_one_line_exit_2(tiny_model, tmp_path, capsys):
+    from flows.cli import main
+
+    path = population_file(tmp_path, tiny_model)
+    data = yaml.safe_load(path.read_text())
+    data["confirm"] = 0.5  # it raised an AttributeError with a traceback, before the sweep's own check
+    path.write_text(yaml.safe_dump(data))
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "field 'confirm'" in err

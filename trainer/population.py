@@ -152,7 +152,8 @@ class Population(ConcurrentTrials):
             trial = self._start(self._job(record["index"], cfg))
             with self._active(trial):  # the member's RNG is its checkpoint's after this
                 trial.trainer.resume()
-            self.members.append(Member(record["index"], trial, cfg, record["hparams"], record["score"]))
+            member = Member(record["index"], trial, cfg, record["hparams"], record["score"], record.get("collapsed"))
+            self.members.append(member)
         return self.step
 
     def _serve(self, cfgs: list[TrainerConfig]) -> None:
@@ -262,7 +263,13 @@ class Population(ConcurrentTrials):
             "scores": self.scores,
             "events": self.events,
             "members": [
-                {"index": m.index, "cfg": m.cfg.model_dump(mode="json"), "hparams": m.hparams, "score": m.score}
+                {
+                    "index": m.index,
+                    "cfg": m.cfg.model_dump(mode="json"),
+                    "hparams": m.hparams,
+                    "score": m.score,
+                    "collapsed": m.collapsed,  # a member the gate stopped at the last step is no winner on a resume
+                }
                 for m in self.members
             ],
         }
