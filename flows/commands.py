@@ -39,7 +39,6 @@ def cmd_run(args) -> int:
                 f"as it is, or start a new run from it with --set fork.run_id={args.resume}"
             )
         args.resume, spec_path = _spec_file_of_run(args.resume, args.spec, args.project_dir)
-        _hold_run(spec_path.parent, f"`ballast run --resume {args.resume}`")  # not while it runs or syncs elsewhere
         spec, overrides = str(spec_path), []
         resumed = load_spec(spec_path)
         _refuse_changed_resume(args, resumed)  # a changed spec or a corrupt checkpoint is refused even after the end
@@ -48,6 +47,7 @@ def cmd_run(args) -> int:
         if finished:
             print(finished)
             return 0
+        _hold_run(spec_path.parent, f"`ballast run --resume {args.resume}`")  # not while it runs or syncs elsewhere
         check_runnable(resumed)
         project_dir = resumed.project_dir
     elif args.spec:
