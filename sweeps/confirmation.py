@@ -42,6 +42,7 @@ from .baseline import PER_PROMPT, Baseline, Gain, paired_gain
 from .space import SweepSpec
 from .split import Split
 from .statistics import Spread, plus_minus, survived, winners_curse, z_simultaneous
+from .study import n_done
 
 CONFIRMATION_ATTR = "ballast.confirmation"  # study user attr: Confirmation as JSON
 SCORES_ATTR = "ballast.confirmation.scores"  # study user attr: every confirmation score so far, for a resume
@@ -133,7 +134,7 @@ class Confirmation:
         when it stands."""
         if not self.complete:
             return "the confirmation has not finished (a worker is making it, or was stopped in it)"
-        done = _trials_done(study)
+        done = n_done(study)
         if self.trials_done is not None and done > self.trials_done:
             return (
                 f"the confirmation was made on the first {self.trials_done} trials and {done} are done now; it is "
@@ -183,7 +184,7 @@ def confirm(
     out = Confirmation(
         first.key, first.direction, judged_on, len(base), split.n_selection, len(top), z, sweep.confirm.seeds,
         asdict(split), [_candidate(t, first.direction) for t in top], baseline=sum(base) / len(base),
-        complete=False, trials_done=_trials_done(study),
+        complete=False, trials_done=n_done(study),
     )  # fmt: skip
     for c, t in zip(out.candidates, top):
         c.judged = _judged_gain(c, t, name, base, split, score, cache, out, log).to_dict()
@@ -195,10 +196,6 @@ def confirm(
     out.complete = True
     _stored(study, out)
     return out
-
-
-def _trials_done(study) -> int:
-    return sum(1 for t in study.get_trials(deepcopy=False) if t.state in (TrialState.COMPLETE, TrialState.PRUNED))
 
 
 def ranked_trials(study: optuna.Study, direction: str) -> list[FrozenTrial]:

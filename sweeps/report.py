@@ -388,7 +388,7 @@ def _baseline_row(study: optuna.Study, baseline, key: str) -> dict:
         "source": baseline.source,
         "metrics": baseline.metrics,
         "n_prompts": n,
-        "selection": selection_baseline(study, key),
+        "selection": selection_baseline(study, baseline, key),
     }
 
 
@@ -518,20 +518,19 @@ def _plot_baseline(study: optuna.Study, key: str) -> tuple[float, float] | None:
     baseline = load_baseline(study)
     if baseline is None:
         return None
-    if (part := selection_baseline(study, key)) is not None:
+    if (part := selection_baseline(study, baseline, key)) is not None:
         return part[0], 0.0
     return (baseline.score(key), 0.0) if baseline.score(key) is not None else None
 
 
-def selection_baseline(study: optuna.Study, key: str) -> tuple[float, int] | None:
+def selection_baseline(study: optuna.Study, baseline, key: str) -> tuple[float, int] | None:
     """(the base model's mean score, the prompts) on the prompts the trials were scored on — the selection part of
     a split held-out set, else all of it —, the score each trial's gain is paired with; None without per-prompt
     scores of `key`."""
     from .baseline import PER_PROMPT
     from .split import load_split
 
-    baseline = load_baseline(study)
-    per = baseline.per_prompt.get(PER_PROMPT.get(key, ""), []) if baseline else []
+    per = baseline.per_prompt.get(PER_PROMPT.get(key, ""), [])
     split = load_split(study) if per else None
     part = split.selection(per) if split is not None else per
     return (sum(part) / len(part), len(part)) if part else None
