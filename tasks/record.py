@@ -626,15 +626,17 @@ def record_probe(run: RunRecorder, report: ProbeReport) -> None:
 @records(EvalResult)
 def record_eval(run: RunRecorder, result: EvalResult) -> None:
     """The final checkpoint's held-out scores: on the eval stage's run, and on the pipeline run unless an
-    in-training eval at that step put them there; its samples into the run directory, then to MLflow."""
+    in-training eval at that step put them there; its samples into the run directory, then to MLflow. The run
+    directory's rows at a step are one eval's, the one whose scores the pipeline run holds (MLflow keeps a step's
+    first value): the in-training eval's at that step, else the first final eval's — a resume that runs the final
+    eval again adds none (a sampled eval on a GPU need not draw the same completions twice)."""
     eval_samples = run.output_dir / EVAL_SAMPLES_FILE
-    written = [row for row in read_rows(eval_samples) if row.get("step") == result.step]
-    if not all(row in written for row in result.samples):  # a resume that repeats the final eval: once
-        append_rows(eval_samples, result.samples)
     if run.stage_run != run.run_id:
         run.log_metrics(run.stage_run, result.metrics, result.step)
     if not run.evaluated_in_training(result.step):  # the final eval, at the run's last step
         run.log_metrics(run.run_id, {**result.metrics, **headline(result.metrics)}, result.step)
+        if not any(row.get("step") == result.step for row in read_rows(eval_samples)):
+            append_rows(eval_samples, result.samples)
     run.put_tables({EVAL_SAMPLES_TABLE: result.samples}, [run.stage_run])
     run.put_tables({EVAL_SAMPLES_TABLE: read_rows(eval_samples)}, [run.run_id])
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tasks.fork import ForkSource
+from tasks.metrics_sink import RECORD
 from tasks.record import EVAL_SAMPLES_TABLE, SAMPLES_TABLE, RunRecorder, Tracking
 from tasks.results import TrainOutcome
 from tasks.spec import load_spec
@@ -221,3 +222,31 @@ def test_the_final_eval_stage_writes_its_rows_to_the_run_directory_too(tiny_mode
         run.record(EvalResult("file:///checkpoint", 4, {"eval/reward": 0.0}, final))
     assert read_rows(run.output_dir / EVAL_SAMPLES_FILE) == [in_training, *final]
     assert logged_rows(tracking, run.run_id, EVAL_SAMPLES_TABLE) == [in_training, *final]
+    redrawn = [{**final[0], "completion": "<output>2</output>", "reward": 1.0}]  # a sampled eval on a GPU, again
+    with run.stage("eval"):
+        run.record(EvalResult("file:///checkpoint", 4, {"eval/reward": 1.0}, redrawn))
+    assert read_rows(run.output_dir / EVAL_SAMPLES_FILE) == [in_training, *final]  # the rows of the scores held:
+    history = tracking.client.get_metric_history(run.run_id, "eval/reward")
+    assert [(m.step, m.value) for m in history] == [(4, 0.0)]
+    assert logged_rows(tracking, run.run_id, EVAL_SAMPLES_TABLE) == [in_training, *final]
+
+
+def test_a_final_eval_at_an_in_training_eval_step_leaves_that_evals_rows(tiny_model, tmp_path):
+    """An in-training eval at the last step put its scores on the pipeline run: the run directory's rows at that
+    step stay its own, whatever the final eval (on the reloaded checkpoint) drew; the eval stage's run holds the
+    final eval's."""
+    from tasks.results import EvalResult
+
+    spec = load_spec(tiny_spec(tiny_model, project_dir=str(tmp_path)))
+    tracking = Tracking(spec)
+    run = RunRecorder.start(tracking, spec, ForkSource())
+    in_training = {"step": 4, "prompt": "1+1", "answer": "2", "completion": "<output>2</output>", "reward": 1.0}
+    append_rows(run.output_dir / EVAL_SAMPLES_FILE, [in_training])
+    append_rows(run.output_dir / RECORD, [{"step": 4, "eval/reward": 1.0}])
+    final = [{**in_training, "completion": "<output>3</output>", "reward": 0.0}]
+    with run.stage("eval"):
+        run.record(EvalResult("file:///checkpoint", 4, {"eval/reward": 0.0}, final))
+        eval_run = run.stage_run
+    assert read_rows(run.output_dir / EVAL_SAMPLES_FILE) == [in_training]
+    assert logged_rows(tracking, run.run_id, EVAL_SAMPLES_TABLE) == [in_training]
+    assert logged_rows(tracking, eval_run, EVAL_SAMPLES_TABLE) == final
