@@ -758,8 +758,7 @@ def cmd_sweep(args) -> int:
     from flows.trials.interrupts import interrupts_said_once
 
     runtime.wait_until_started()  # a flow that starts before the ephemeral server answers finds no API
-    again = shlex.join(["ballast", "sweep", args.file, *[x for s in args.set for x in ("--set", s)]])
-    with interrupts_said_once(again):
+    with interrupts_said_once(_sweep_again(args)):
         result = ballast_sweep.with_options(flow_run_name=sweep.study_name)(  # the flow run named after the study
             str(Path(args.file).resolve()),
             trials=args.trials,
@@ -775,6 +774,18 @@ def cmd_sweep(args) -> int:
     if not result.done:
         return 1
     return 0 if result.n_complete else 3  # every trial pruned or failed: the sweep found nothing, as a collapsed run
+
+
+def _sweep_again(args) -> str:
+    """The command that continues this sweep: the one typed, with the flags that say where its study is and how it
+    runs (a line without --storage would start a new study in the project folder's SQLite file)."""
+    flags = [x for s in args.set for x in ("--set", s)]
+    for flag, value in (("--storage", args.storage), ("--trials", args.trials), ("--timeout", args.timeout)):
+        if value is not None:
+            flags += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+    if args.workers != 1:
+        flags += ["--workers", str(args.workers)]
+    return shlex.join(["ballast", "sweep", args.file, *flags])
 
 
 def cmd_pbt(args) -> int:

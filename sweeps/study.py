@@ -342,8 +342,9 @@ class _StudyWithout:
 
 
 def open_study(sweep: SweepSpec, storage: RDBStorage, n_trials: int | None = None, worker: int = 0) -> optuna.Study:
-    """Create the sweep's study, or resume it. Stores the definition and the total (`n_trials`, else the
-    file's) on the study; workers that join read both from there."""
+    """Create the sweep's study, or resume it. Stores the definition and the total on the study — `n_trials`
+    (--trials), else the file's when the study is new or the file's changed, else the total it had — workers that
+    join read both from there."""
     import json
 
     if n_trials is not None and sweep.sampler.type == "grid" and n_trials > sweep.grid_size():
@@ -360,20 +361,28 @@ def open_study(sweep: SweepSpec, storage: RDBStorage, n_trials: int | None = Non
         load_if_exists=True,
     )
     stored = study.user_attrs.get(SWEEP_ATTR)
+    total = n_trials or sweep.n_trials
     if stored is None:
         study.set_user_attr(SWEEP_ATTR, json.dumps(sweep.model_dump(mode="json")))
     else:
         check_definition(sweep, stored)
         kept = json.loads(stored)
-        if kept.get("concurrent_trials", 1) != sweep.concurrent_trials:  # how trials run, not what: workers read it
-            study.set_user_attr(SWEEP_ATTR, json.dumps({**kept, "concurrent_trials": sweep.concurrent_trials}))
+        if n_trials is None and kept.get("trials") == sweep.trials and TRIALS_ATTR in study.user_attrs:
+            total = int(study.user_attrs[TRIALS_ATTR])  # a resume keeps the total it had (an earlier --trials)
+        changed = {  # how trials run and how many, not what: workers read them
+            k: v
+            for k, v in (("concurrent_trials", sweep.concurrent_trials), ("trials", sweep.trials))
+            if kept.get(k, 1 if k == "concurrent_trials" else None) != v
+        }
+        if changed:
+            study.set_user_attr(SWEEP_ATTR, json.dumps({**kept, **changed}))
     if [d.name.lower() for d in study.directions] != sweep.directions:
         have = [d.name.lower() for d in study.directions]
         raise SweepError(
             f"study {sweep.study_name!r} exists with directions {have}, "
             f"the sweep file asks for {sweep.directions}; name a new study"
         )
-    study.set_user_attr(TRIALS_ATTR, int(n_trials or sweep.n_trials))
+    study.set_user_attr(TRIALS_ATTR, int(total))
     study.sampler = make_sampler(sweep, worker)
     return study
 

@@ -481,6 +481,34 @@ def test_a_resumed_study_never_reproposes_a_finished_trials_parameters(tmp_path)
     assert len(params) == 5 and len(set(params)) == 5
 
 
+def test_a_resume_without_trials_keeps_the_total_an_earlier_trials_set(tmp_path):
+    """`--trials 6` once, then `ballast sweep FILE` again (as its interrupt line said it): the total stays 6; a
+    file whose `trials:` was edited since sets it; --trials always does."""
+    from sweeps.study import TRIALS_ATTR, make_storage, open_study
+
+    url = f"sqlite:///{tmp_path / 'optuna.db'}"
+    sweep = study_sweep(trials=4)
+    totals = [open_study(sweep, make_storage(url), 6).user_attrs[TRIALS_ATTR]]
+    totals.append(open_study(sweep, make_storage(url)).user_attrs[TRIALS_ATTR])
+    totals.append(open_study(study_sweep(trials=8), make_storage(url)).user_attrs[TRIALS_ATTR])
+    totals.append(open_study(study_sweep(trials=8), make_storage(url)).user_attrs[TRIALS_ATTR])
+    totals.append(open_study(study_sweep(trials=8), make_storage(url), 3).user_attrs[TRIALS_ATTR])
+    assert totals == [6, 6, 8, 8, 3]
+
+
+def test_the_interrupt_line_repeats_where_the_study_is_and_how_it_runs():
+    from flows.cli import build_parser
+    from flows.commands import _sweep_again
+
+    typed = ["sweep", "s.yaml", "--storage", "postgresql://me@db/sweeps", "--trials", "6", "--workers", "2"]
+    args = build_parser().parse_args([*typed, "--timeout", "3600", "--set", "optim.steps=4"])
+    assert _sweep_again(args) == (
+        "ballast sweep s.yaml --set optim.steps=4 --storage postgresql://me@db/sweeps --trials 6 --timeout 3600 "
+        "--workers 2"
+    )
+    assert _sweep_again(build_parser().parse_args(["sweep", "s.yaml"])) == "ballast sweep s.yaml"
+
+
 def test_a_new_study_is_reproducible_from_its_seed(tmp_path):
     from sweeps.space import suggest
     from sweeps.study import make_storage, open_study, optimize
