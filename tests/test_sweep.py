@@ -568,6 +568,21 @@ def test_the_worker_stops_after_consecutive_failed_trials(tmp_path):
     assert [t.state.name for t in study.trials] == ["FAIL"] * 3
 
 
+def test_workers_that_ended_before_the_deadline_did_not_time_out(tmp_path, prefect_api, capsys):
+    """`--workers K --timeout T` whose workers all exited (here: refused, the storage they were given has no such
+    file) well before T: the sweep is not 'ended by its --timeout'; one whose deadline has passed is."""
+    from flows.trials.workers import WorkerRunner
+    from sweeps.runner import Budget
+    from sweeps.study import make_storage, open_study
+
+    sweep = study_sweep()
+    study = open_study(sweep, make_storage(f"sqlite:///{tmp_path / 'optuna.db'}"), 2)
+    workers = WorkerRunner(None, f"sqlite:///{tmp_path / 'missing.db'}", 1, on_nodes=False)
+    assert workers.run(study, sweep, None, Budget.of(2, 3600)).timed_out is False
+    assert workers.run(study, sweep, None, Budget(2, time.time() - 1)).timed_out is True
+    assert "worker exit codes: [2]" in capsys.readouterr().out
+
+
 # ── a worker killed mid-trial ──────────────────────────────────────────────────────────────────────
 
 

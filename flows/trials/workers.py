@@ -54,7 +54,8 @@ class WorkerRunner:
             run_on_nodes(study, self.spec, recorder, self.storage_url, self.k, deadline)
         elif any(codes := spawn_workers(study.study_name, self.storage_url, self.k, deadline)):
             print(f"worker exit codes: {codes}")
-        return RunnerReport(timed_out=budget.deadline is not None and n_done(study) < target(study))
+        # the deadline ended it only if it has passed: workers that all failed before it did not time out
+        return RunnerReport(timed_out=budget.spent() and n_done(study) < target(study))
 
 
 def node_placement() -> dict | None:
