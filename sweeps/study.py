@@ -155,8 +155,9 @@ def make_storage(
 
 class _Interrupted:
     """A trial whose worker stopped mid-trial (heartbeat-stale, or a dead process of this machine): noted on the
-    study, told to the caller, its configuration queued again (`requeue`; `heartbeat.retries` times for a worker
-    that went silent elsewhere, always for one known dead)."""
+    study, told to the caller, its configuration queued again (`requeue`) up to `heartbeat.retries` times — a
+    configuration that gets its worker killed each time (the OOM killer) would otherwise run first on every resume
+    and the sweep never get past it. A Ctrl-C or SIGTERM is not this: a stopped trial always runs again."""
 
     def __init__(self, retries: int, notify=None):
         self.retries, self.notify = retries, notify
@@ -168,7 +169,13 @@ class _Interrupted:
                 self.notify(study, trial)
             except Exception as e:  # never let bookkeeping stop a worker
                 warnings.warn(f"could not record interrupted trial {trial.number}: {e}", stacklevel=2)
-        requeue(study, trial, f"{why}; failed, not counted", limit=None if dead else self.retries)
+        if not requeue(study, trial, f"{why}; failed, not counted", limit=self.retries) and trial.params:
+            attempts = len(retried(trial)) + 1
+            print(
+                f"trial {trial.number}: {why}; its configuration was interrupted {attempts} times "
+                f"(heartbeat.retries: {self.retries}) and is not queued again — raise heartbeat.retries to run it",
+                flush=True,
+            )
 
 
 def requeue(study: optuna.Study, trial: FrozenTrial, why: str, limit: int | None = None) -> bool:
