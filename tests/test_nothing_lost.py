@@ -117,6 +117,23 @@ def test_train_resume_from_a_corrupt_checkpoint_is_refused(pipeline_run, corrupt
     assert "adapter_model.safetensors" in err and "step-000002" in err
 
 
+@pytest.fixture
+def damaged_record(pipeline_run):
+    """metrics.jsonl with its first line no longer JSON (an edit gone wrong; put back after the test)."""
+    record = pipeline_run[2] / "metrics.jsonl"
+    good = record.read_text()
+    first, rest = good.split("\n", 1)
+    record.write_text(first[: len(first) // 2] + "\n" + rest)
+    yield record
+    record.write_text(good)
+
+
+def test_train_resume_of_a_run_with_a_damaged_record_is_refused(pipeline_run, damaged_record, unchanged, capsys):
+    spec, _, run_dir = pipeline_run
+    assert ballast("train", spec, "--output", run_dir, "--resume") == 2
+    assert "metrics.jsonl: line 1 is not a JSON row" in capsys.readouterr().err
+
+
 # ── ballast run --resume ───────────────────────────────────────────────────────────────────────────
 
 
@@ -142,6 +159,12 @@ def test_run_resume_from_a_corrupt_checkpoint_is_refused_and_the_mlflow_run_keep
     assert ballast("run", "--resume", run_id, "--project-dir", run_dir.parent.parent) == 2
     assert "adapter_model.safetensors" in capsys.readouterr().err
     assert MlflowClient(uri).get_run(run_id).info.status == status
+
+
+def test_run_resume_of_a_run_with_a_damaged_record_is_refused(pipeline_run, damaged_record, unchanged, capsys):
+    _, run_id, run_dir = pipeline_run
+    assert ballast("run", "--resume", run_id, "--project-dir", run_dir.parent.parent) == 2
+    assert "metrics.jsonl: line 1 is not a JSON row" in capsys.readouterr().err
 
 
 # ── ballast run forking from the run ───────────────────────────────────────────────────────────────

@@ -83,7 +83,7 @@ from .model import (
 )
 from .perf import MemoryPlan, matmul_params, memory_plan, peak_flops, step_flops
 from .records import append_rows, keep_rows
-from .resume import config_hash, refuse_changed_config, resumable_view
+from .resume import RECORDS, config_hash, refuse_changed_config, resumable_view
 from .rewards import RewardComputer
 from .rollouts import RolloutBatch, RolloutProducer
 from .samples import EVAL_SAMPLES_FILE, SAMPLES_FILE, sample_rows
@@ -296,7 +296,7 @@ class GRPOTrainer:
     def _truncate_records(self, last_step: int) -> None:
         """The run's records (metrics, prompts, samples) cut back to the steps up to `last_step`."""
         if self.world.main:  # only rank 0 writes the run's records
-            for name in ("metrics.jsonl", "prompts.jsonl", SAMPLES_FILE, EVAL_SAMPLES_FILE):
+            for name in RECORDS:
                 keep_rows(self.out / name, lambda row: row["step"] <= last_step)
 
     def _load_weights_and_optimizer(self, checkpoint: ckpt.Checkpoint, optim_state: dict) -> None:

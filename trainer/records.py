@@ -16,11 +16,14 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from .config import InputError
+
 _TAIL = 1 << 16  # bytes read back from the end at a time, looking for the last newline
 
 
-class RecordError(ValueError):
-    """A run-directory record with a malformed line that is not a torn last one."""
+class RecordError(InputError):
+    """A run-directory record with a malformed line that is not a torn last one: bad input (the CLI's one line,
+    exit 2), as a corrupt checkpoint is."""
 
 
 def read_rows(path: Path | str) -> list[dict]:

@@ -11,6 +11,10 @@ from pathlib import Path
 
 from . import checkpoint as ckpt
 from .config import TrainerConfig
+from .records import read_rows
+from .samples import EVAL_SAMPLES_FILE, SAMPLES_FILE
+
+RECORDS = ("metrics.jsonl", "prompts.jsonl", SAMPLES_FILE, EVAL_SAMPLES_FILE)  # the run's records a resume cuts back
 
 # what a resume may change: the total step count, and how this machine lays out the same computation — one process,
 # DDP or FSDP2 ranks (a checkpoint is the whole trainable state whatever the wrapping, resharded on load:
@@ -65,9 +69,12 @@ def _with_new_defaults(saved: dict) -> dict:
 
 def check_resume(cfg: TrainerConfig, output_dir: str | Path) -> Path | None:
     """The checkpoint a resume of `output_dir` starts from (None: there is none), verified and checked against
-    `cfg` before any model loads, so a refused resume (CheckpointError) is quick and leaves the run as it was."""
+    `cfg`, and the run's records read, before any model loads, so a refused resume (CheckpointError, RecordError)
+    is quick and leaves the run as it was."""
     checkpoint = ckpt.latest_checkpoint(Path(output_dir) / "checkpoints")
     if checkpoint is None:
         return None
     refuse_changed_config(checkpoint.trainer_state().get("config", {}), resumable_view(cfg), checkpoint.path)
+    for name in RECORDS:  # a damaged record (RecordError) would stop the resume after the model load
+        read_rows(Path(output_dir) / name)
     return checkpoint.path
