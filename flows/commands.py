@@ -236,6 +236,7 @@ def _validate_population(path: str, sets: list[str]) -> int:
 
     pop = load_population(path, sets)
     spec = pop.spec()
+    _check_new_run(spec)  # the model is here, the device exists, as `ballast pbt` refuses
     _check_fork(spec)
     p = pop.pbt
     print(f"{path}: valid population — the file, its space, its pbt section and its base spec checked; nothing was run")
@@ -794,6 +795,7 @@ def cmd_pbt(args) -> int:
 
     pop = load_population(args.file, args.set)  # a bad file or --set fails here, before any model or run exists
     pop.refuse_a_second_start(args.resume)
+    _check_new_run(pop.spec())  # the model is here (or buildable), the device exists: before any MLflow run opens
     runtime.prestart(pop.spec().project_dir)
     from flows.pbt import ballast_pbt
 

@@ -27,12 +27,14 @@ The choices, on purpose:
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tasks.spec import ExperimentSpec, describe_validation_error, read_yaml_mapping, validate_spec
-from trainer.config import SCHEDULED
+from trainer.config import SCHEDULED, InputError
 from trainer.pbt import POPULATION_FILE, Knob, Policy
+from trainer.sharing import check_concurrent
 
 from .space import SweepError, SweepSpec, base_spec, load_sweep, sweep_split
 from .split import Split
@@ -48,7 +50,9 @@ class PBTSpec(BaseModel):
     population: int = Field(8, ge=2, description="Members trained at once over one base model (P).")
     ready: int = Field(5, ge=1, description="Steps between rankings on the selection score; optim.steps its multiple.")
     quantile: float = Field(0.25, gt=0, le=0.5, description="Bottom share that copies the top share each ranking.")
-    perturb: list[float] = Field([0.8, 1.25], min_length=1, description="Factors a copy's knob is multiplied by.")
+    perturb: list[Annotated[float, Field(gt=0)]] = Field(
+        [0.8, 1.25], min_length=1, description="Factors a copy's knob is multiplied by (each above 0)."
+    )
     resample_probability: float = Field(0.25, ge=0, le=1, description="Chance a copy's knob is drawn afresh instead.")
     seed: int | None = Field(None, description="Seed of the draws and decisions; default the file's seed.")
 
@@ -132,7 +136,12 @@ def _check(sweep: SweepSpec, pbt: PBTSpec, where: str) -> None:
             raise SweepError(f"{where}: field 'space.{key}': lora.r is fixed per member; give type: categorical")
     if len(sweep.objectives) != 1 or not sweep.objectives[0].metric.startswith("eval/"):
         raise SweepError(f"{where}: field 'objectives': a population ranks on one held-out score; give one eval/*")
-    steps = validate_spec(base_spec(sweep), "population base spec").optim.steps
+    spec = validate_spec(base_spec(sweep), "population base spec")
+    try:  # the members share one base model as concurrent trials do (trainer/multi.py)
+        check_concurrent(spec.trainer_config(), None, "", who="a population's members", fix="")
+    except InputError as e:
+        raise SweepError(f"{where}: base spec: {' '.join(str(e).split(': ', 1)[-1].split())}") from None
+    steps = spec.optim.steps
     if steps % pbt.ready:
         raise SweepError(
             f"{where}: field 'pbt.ready': optim.steps {steps} is not a multiple of {pbt.ready}; the last step must be "

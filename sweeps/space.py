@@ -452,7 +452,7 @@ def check_concurrent_sweep(sweep: SweepSpec, where: str = "sweep", base: dict | 
     if sweep.concurrent_trials == 1:
         return
     from trainer.config import InputError
-    from trainer.multi import check_concurrent
+    from trainer.sharing import check_concurrent
 
     base = base if base is not None else base_spec(sweep)
     first = trial_spec(sweep, {}, base=base)

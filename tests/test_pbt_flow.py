@@ -248,3 +248,31 @@ def test_a_confirm_section_that_is_not_a_mapping_is_one_line_exit_2(tiny_model, 
     assert main(["validate", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and "field 'confirm'" in err
+
+
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        ({"model": {"device": "cuda:3"}}, "model.device"),
+        ({"model": {"name_or_path": "/nowhere/model", "build_if_missing": None}}, "model.name_or_path='/nowhere/model'"),
+        ({"lora": {"enabled": False}}, "lora.enabled is false; a population's members train LoRA adapters"),
+        ({"pbt": {"perturb": [0.0, -1.0]}}, "field 'perturb.0': Input should be greater than 0"),
+    ],
+    ids=["a device that is not there", "a model that is not there", "lora off", "a factor that is not above 0"],
+)
+def test_what_a_population_cannot_run_on_is_refused_by_validate_and_pbt_before_any_run_opens(
+    tiny_model, tmp_path, change, fragment
+):
+    """`ballast validate` and `ballast pbt` refuse in one line, exit 2: a model or device that is not here passed
+    validate and failed `pbt` after it opened an MLflow run per member, left RUNNING, with tracebacks."""
+    path = population_file(tmp_path, tiny_model)
+    data = yaml.safe_load(path.read_text())
+    for section, fields in change.items():
+        (data if section == "pbt" else data["base"]).setdefault(section, {}).update(fields)
+    path.write_text(yaml.safe_dump(data))
+    for command in ("validate", "pbt"):
+        done = ballast(command, str(path))
+        lines = done.stderr.strip().splitlines()
+        assert (done.returncode, len(lines)) == (2, 1), done.stderr[-3000:]
+        assert lines[0].startswith("error: ") and fragment in lines[0], lines[0]
+    assert not (tmp_path / "project" / "mlflow.db").exists()

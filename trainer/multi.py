@@ -64,6 +64,7 @@ from .engines.hf import HFEngine
 from .loop import Callbacks, GRPOTrainer, RunResult, SafePoint, _latest_path
 from .model import adapter_in_base_dtype, load_policy, lora_target_modules, peft_lora_config, resolve_device
 from .rollouts import RolloutBatch
+from .sharing import check_concurrent
 
 # A peft adapter name is a module key (no dots) and is cut out of the weights' names when saved: trial_<k> cannot
 # be mistaken for part of a module's name (peft warns about a name like 'a', which is in 'lora_').
@@ -164,61 +165,6 @@ class SharedPolicy:
             with warnings.catch_warnings():  # "Adapter ... was active which is now deleted": the next is set anyway
                 warnings.simplefilter("ignore", UserWarning)
                 self.model.delete_adapter(name)
-
-
-def check_concurrent(cfg: TrainerConfig, first: TrainerConfig | None, name: str) -> None:
-    """Refuse, naming the field and the fix, a trial that cannot share the base model with the others."""
-    fix = "or set sweep.concurrent_trials: 1"
-    if not cfg.lora.enabled:
-        raise InputError(
-            f"trial {name}: lora.enabled is false; concurrent trials train LoRA adapters — enable lora {fix}"
-        )
-    if cfg.rollout.engine not in ("hf", "vllm"):
-        raise InputError(
-            f"trial {name}: rollout.engine is {cfg.rollout.engine!r}; concurrent trials sample with the hf or the "
-            f"vllm engine — set rollout.engine: hf {fix}"
-        )
-    if getattr(cfg.data, "environment", None) is not None:
-        raise InputError(
-            f"trial {name}: data.environment is set; concurrent trials sample one completion per prompt, not "
-            f"multi-turn episodes — run this sweep with sweep.concurrent_trials: 1"
-        )
-    if cfg.rollout.max_off_policy_steps:
-        raise InputError(
-            f"trial {name}: rollout.max_off_policy_steps is {cfg.rollout.max_off_policy_steps}; concurrent trials "
-            f"sample each step synchronously — set rollout.max_off_policy_steps: 0 {fix}"
-        )
-    if first is None:
-        return
-    for key in DECODE_FIELDS:  # one engine decodes every trial's rows
-        mine, theirs = getattr(cfg.rollout, key), getattr(first.rollout, key)
-        if mine != theirs:
-            raise InputError(
-                f"trial {name}: rollout.{key} is {mine!r} but the running trials' is {theirs!r}; the trials decode "
-                f"in one batch one way — do not search over rollout.{key}, {fix}"
-            )
-    mine, theirs = _server_fields(cfg), _server_fields(first)
-    if cfg.rollout.engine == "vllm" and mine != theirs:
-        key = next(k for k in mine if mine[k] != theirs[k])
-        raise InputError(
-            f"trial {name}: rollout.{key} is {mine[key]!r} but the running trials' vLLM server has {theirs[key]!r}; "
-            f"concurrent trials share one server — do not search over rollout.{key}, {fix}"
-        )
-    if cfg.model != first.model:
-        mine, theirs = cfg.model.model_dump(), first.model.model_dump()
-        key = next(k for k in mine if mine[k] != theirs[k])
-        raise InputError(
-            f"trial {name}: model.{key} is {mine[key]!r} but the running trials' is {theirs[key]!r}; concurrent "
-            f"trials share one base model — do not search over the model section, {fix}"
-        )
-
-
-DECODE_FIELDS = ("concurrent_adapters", "compile_decode", "fused_sampling")  # the shared HF engine's settings
-
-
-def _server_fields(cfg: TrainerConfig) -> dict:
-    """The rollout settings that start or reach a vLLM server: one for all concurrent trials."""
-    return {k: v for k, v in cfg.rollout.model_dump().items() if k.startswith("vllm_") or k == "device"}
 
 
 # ------------------------------------------------------------------------ trials and their outcomes
