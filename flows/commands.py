@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -625,6 +626,13 @@ def cmd_compare(args) -> int:
     if not 0 < args.alpha < 1:  # before anything loads
         raise UserError(f"--alpha {args.alpha}: give a significance level between 0 and 1, e.g. 0.01")
     _check_compare_tracking(args)  # a tracking server that is down: one line before torch and MLflow are imported
+    for name, target in (("A", args.a), ("B", args.b)):  # a typo in either: before A is probed, before torch
+        named = target.startswith("s3://") or re.fullmatch(r"[0-9a-f]{32}", target)
+        if not (named or Path(target).expanduser().exists()):
+            raise UserError(
+                f"{name}: {target!r} is neither an existing probe report, checkpoint or run directory, an s3:// URI, "
+                "nor an MLflow run id (32 hex characters); check the path"
+            )
     from tasks.compare import compare, format_differences, plot_comparison, resolve_target, write_comparison_html
     from tasks.results import ProbeError
 
@@ -692,18 +700,20 @@ def _check_compare_tracking(args) -> None:
 
 
 def cmd_regress(args) -> int:
-    from flows import runtime
-    from tasks.regression import repo_root, resolve_commit
-    from tasks.spec import load_spec
-
     if len(args.ref) != 2:
         raise UserError(
             f"give exactly two refs: --ref A --ref B (A the reference, B the candidate); got {args.ref or 'none'}"
         )
+    if not 0 < args.alpha < 1:  # before both refs train
+        raise UserError(f"--alpha {args.alpha}: give a significance level between 0 and 1, e.g. 0.01")
     if args.runs < 1:
         raise UserError(f"--runs {args.runs}: give 1 or more runs per ref")
     if args.steps is not None and args.steps < 1:
         raise UserError(f"--steps {args.steps}: give 1 or more steps")
+    from flows import runtime
+    from tasks.regression import repo_root, resolve_commit
+    from tasks.spec import load_spec
+
     spec = load_spec(args.spec, args.set)  # a bad spec fails here, before any worktree exists
     try:
         root = repo_root(args.repo)

@@ -268,6 +268,16 @@ CASES = [
         "--alpha 2.0: give a significance level between 0 and 1",
         args=("compare", "a.json", "b.json", "--alpha", "2"),
     ),
+    Case(
+        "compare with a B that is not there (before A is read or probed)",
+        "B: '{dir}/step-00060' is neither an existing probe report, checkpoint or run directory",
+        args=("compare", "{spec}", "{dir}/step-00060"),
+    ),
+    Case(
+        "regress --alpha 5 (before either ref trains)",
+        "--alpha 5.0: give a significance level between 0 and 1",
+        args=("regress", "{spec}", "--ref", "HEAD", "--ref", "HEAD", "--alpha", "5"),
+    ),
     # ── a researcher's own task, week one (issue 23 §7, §10) ──────────────────────────────────────────────────
     Case(
         "a custom reward that returns NaN",
@@ -423,7 +433,7 @@ def test_bad_input_exits_2_with_one_line_naming_it(case, tiny_model, tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
     assert (proc.returncode, len(lines)) == (2, 1), proc.stderr[-3000:]
-    assert lines[0].startswith("error: ") and case.fragment in lines[0], lines[0]
+    assert lines[0].startswith("error: ") and case.fragment.replace("{dir}", str(tmp_path)) in lines[0], lines[0]
 
 
 def test_ballast_train_starts_from_fork_checkpoint_not_from_the_base_model(tiny_model, tmp_path):
