@@ -254,7 +254,7 @@ def test_a_confirm_section_that_is_not_a_mapping_is_one_line_exit_2(tiny_model, 
     "change, fragment",
     [
         ({"model": {"device": "cuda:3"}}, "model.device"),
-        ({"model": {"name_or_path": "/nowhere/model", "build_if_missing": None}}, "model.name_or_path='/nowhere/model'"),
+        ({"model": {"name_or_path": "/nowhere/model", "build_if_missing": None}}, "name_or_path='/nowhere/model'"),
         ({"lora": {"enabled": False}}, "lora.enabled is false; a population's members train LoRA adapters"),
         ({"pbt": {"perturb": [0.0, -1.0]}}, "field 'perturb.0': Input should be greater than 0"),
     ],
