@@ -347,7 +347,8 @@ def _seeds_lines(c: Confirmation) -> list[str]:
     for cand in ran:
         failed = [s for s in cand.seeds if s["gain"] is None]
         note = f"; {len(failed)} seed run{'s' * (len(failed) != 1)} did not finish" if failed else ""
-        out.append(f"seeds: trial {cand.number} {cand.spread().describe()}, each ± {cand.judged['ci95']:.2g}{note}")
+        widest = max(g["ci95"] for g in cand.seed_gains() if g is not None)  # each seed's own interval, not the claim's
+        out.append(f"seeds: trial {cand.number} {cand.spread().describe()}, each seed ± up to {widest:.2g}{note}")
     return out
 
 

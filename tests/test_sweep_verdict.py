@@ -113,3 +113,13 @@ def test_the_summarys_base_model_score_is_the_one_each_gain_is_paired_with(confi
     for row in s.trials:
         assert row["score"] - row["gain"] == pytest.approx(s.baseline_score())
     assert s.baseline["n_prompts"] == 256 and s.baseline["selection"][1] == 128
+
+
+def test_the_seeds_line_gives_the_widest_of_the_seeds_own_intervals():
+    """Each seed's gain has its own ± (its own run's scores): the line gave the judged gain's for all of them, 4x
+    narrower than a seed's in a real sweep."""
+    judged = gain(0.15, 0.01)  # ± 0.024
+    r = candidate(7, judged, seeds=[0.16, 0.14])  # each seed ± 2.39 x 0.05 = 0.12
+    lines = verdict_lines(confirmation([candidate(4, gain(0.20, 0.10)), r], winner=4, runner_up=7, claimed=7))
+    (line,) = [line for line in lines if line.startswith("seeds: trial 7 ")]
+    assert line.endswith("each seed ± up to 0.12"), line
