@@ -46,6 +46,7 @@ def test_the_page_gives_the_confirmed_verdict_with_the_selection_score_beside_it
     assert "128 confirmation prompts no trial decision reads" in text
     assert "on the selection prompts: score" in text and "on the confirmation prompts (128): score" in text
     assert "across 3 seeds" in text  # the seed spread
+    assert "Best trial on the selection prompts" in text and "selection gain ± 95 % (one comparison)" in text
     assert text.count("✓ = the gain's 95 % interval lies wholly above zero") == 1
     assert not LONG_FLOAT.search(text) and not PYTHON_REPR.search(text)
 
