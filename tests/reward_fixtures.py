@@ -88,6 +88,15 @@ def nan_for_empty(completions, answers, prompts):
     return [float("nan") if not c else 1.0 for c in completions]
 
 
+CALLS = {"nan_from_third_call": 0}
+
+
+def nan_from_third_call(completions, answers, prompts):
+    """1.0, then NaN from its third call in the process on: the spec check's call and step 1 pass, step 2 is NaN."""
+    CALLS["nan_from_third_call"] += 1
+    return [float("nan") if CALLS["nan_from_third_call"] >= 3 else 1.0 for _ in completions]
+
+
 def last_word(completions, answers, prompts):
     return [float(c.split()[-1] == a) for c, a in zip(completions, answers)]  # IndexError on an empty completion
 

@@ -285,6 +285,11 @@ CASES = [
         put("rewards", [{"name": "exact_answer"}, {"name": "tests.reward_fixtures:nan_for_fourth"}]),
     ),
     Case(
+        "a custom reward that returns NaN in the middle of training",
+        "reward 'nan_from_third_call' returned nan for completion 0; reward functions must return finite floats",
+        put("rewards", [{"name": "exact_answer"}, {"name": "tests.reward_fixtures:nan_from_third_call"}]),
+    ),
+    Case(
         "a custom reward that returns None",
         "reward 'returns_none' returned None (NoneType), not a list",
         put("rewards", [{"name": "exact_answer"}, {"name": "tests.reward_fixtures:returns_none"}]),

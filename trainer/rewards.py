@@ -86,7 +86,8 @@ REGISTRY: dict[str, RewardFn] = {}
 
 
 class RewardError(InputError):
-    """A reward that failed during a step; the message names the reward and what to fix."""
+    """A reward that failed during a step (it raised, returned NaN, a count or type that is not one float per
+    completion); the message names the reward and what to fix."""
 
 
 def register(name: str, correctness: bool = False):
@@ -566,7 +567,7 @@ class RewardComputer:
                 try:
                     self._score(name, fn, completions, answers, prompts_, columns)
                 except Exception as e:
-                    named = "" if isinstance(e, RewardError) else f" ({self.given[i]})"
+                    named = "" if f"({self.given[i]})" in str(e) else f" ({self.given[i]})"
                     raise ValueError(
                         f"rewards[{i}]{named}: {e} — found by calling it once, before the model loads, on "
                         f"{len(completions)} placeholder completions of the first {len(examples)} prompts of {field}"
@@ -600,32 +601,32 @@ def placeholder(answer, j: int) -> str:
 def _checked(name: str, values, count: int) -> list[float]:
     if isinstance(values, (str, bytes, dict)) or values is None:
         shown = repr(values)
-        raise ValueError(
+        raise RewardError(
             f"reward {name!r} returned {shown[:60] + '...' if len(shown) > 60 else shown} "
             f"({type(values).__name__}), not a list; reward functions must return one float per completion ({count})"
         )
     try:
         got = len(values)
     except TypeError:
-        raise ValueError(
+        raise RewardError(
             f"reward {name!r} returned a {type(values).__name__}, not a list; "
             f"reward functions must return one float per completion ({count})"
         ) from None
     if got != count:
-        raise ValueError(
+        raise RewardError(
             f"reward {name!r} returned {got} values for {count} completions; "
             "reward functions must return one float per completion"
         )
     out = []
     for i, v in enumerate(values):
         if not isinstance(v, numbers.Real):
-            raise ValueError(
+            raise RewardError(
                 f"reward {name!r} returned {v!r} ({type(v).__name__}) for completion {i}; reward "
                 "functions must return finite floats (0.0 for a completion they cannot score)"
             )
         v = float(v)
         if not math.isfinite(v):
-            raise ValueError(
+            raise RewardError(
                 f"reward {name!r} returned {v} for completion {i}; reward functions must return finite floats"
             )
         out.append(v)
