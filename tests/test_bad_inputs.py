@@ -96,6 +96,18 @@ CASES = [
     Case("lora.r: 1e20", "field 'lora.r'", put("lora.r", 1e20)),
     Case("LoRA target modules absent from the model", "lora.target_modules", put("lora.target_modules", ["qkv_proj"])),
     Case(
+        "a reward module that calls sys.exit(0) on import",  # it ended validate and run silently with status 0
+        "importing module 'exits_on_import' raised SystemExit: 0; fix the module",
+        put("rewards", [{"name": "exact_answer"}, {"name": "exits_on_import:score"}]),
+        files={"exits_on_import.py": "import sys\n\nsys.exit(0)\n"},
+    ),
+    Case(
+        "a custom reward that calls sys.exit(0)",
+        "reward 'score' (exits_on_call:score) raised SystemExit: 0",
+        put("rewards", [{"name": "exact_answer"}, {"name": "exits_on_call:score"}]),
+        files={"exits_on_call.py": "import sys\n\n\ndef score(completions, answers, prompts):\n    sys.exit(0)\n"},
+    ),
+    Case(
         "a custom reward that raises",
         "reward 'raises_on_call' (tests.reward_fixtures:raises_on_call) raised",
         put("rewards", [{"name": "exact_answer"}, {"name": "tests.reward_fixtures:raises_on_call"}]),

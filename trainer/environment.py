@@ -93,7 +93,7 @@ class Environment:
     def new(self, where: str) -> Any:
         try:
             return self.cls()
-        except Exception as e:
+        except (Exception, SystemExit) as e:
             raise EnvironmentInputError(
                 f"{where}: data.environment={self.name!r}: {self.cls.__name__}() raised {type(e).__name__}: {e}; "
                 "the class must be built with no arguments (one instance per episode)"
@@ -120,7 +120,7 @@ def load_environment(name: str, spec_dir: str | Path | None = None) -> Environme
                 f"{where}: module {module_name!r} not found beside the spec or in the working directory"
             ) from None
         raise EnvironmentInputError(f"{where}: importing {module_name!r} failed: {e}; install what it imports") from e
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # a module that calls sys.exit() must not end the command silently
         raise EnvironmentInputError(
             f"{where}: importing {module_name!r} raised {type(e).__name__}: {e}; fix the module"
         ) from None
@@ -173,7 +173,7 @@ def first_messages(env: Environment, instance: Any, row: dict, data, where: str)
 
     try:
         first = instance.reset(**row)
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         raise EnvironmentInputError(
             f"{where}: data.environment={env.name!r}: reset() refused the row ({type(e).__name__}: {e}); fix the "
             "row or reset(**row) (it gets prompt, answer and the row's other columns)"

@@ -196,7 +196,7 @@ class EpisodeRunner:
         elif self.env.has_step:
             try:
                 reply = e.instance.step(text)
-            except Exception as error:
+            except (Exception, SystemExit) as error:
                 e.messages.append({"role": "user", "content": f"error: step raised {type(error).__name__}: {error}"})
                 e.tool_errors += 1
                 e.done = True
@@ -247,7 +247,7 @@ class EpisodeRunner:
         if self.env.has_reward:
             try:
                 reward = float(e.instance.reward())
-            except Exception as error:
+            except (Exception, SystemExit) as error:
                 raise EnvironmentInputError(
                     f"{e.where}: data.environment={self.env.name!r}: reward() raised {type(error).__name__}: {error}"
                 ) from None

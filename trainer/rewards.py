@@ -281,7 +281,7 @@ def _load_user_function(spec: str, where: str) -> Callable:
         raise ValueError(
             f"{where}.name={spec!r}: importing module {module_name!r} failed: {e}; install what it imports"
         ) from e
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # a module that calls sys.exit() must not end the command silently
         raise ValueError(
             f"{where}.name={spec!r}: importing module {module_name!r} raised {type(e).__name__}: {e}; fix the module"
         ) from e
@@ -531,7 +531,7 @@ class RewardComputer:
         try:
             batch = {"completions": completions, "answers": answers, "prompts": prompts}
             raw = fn(**{k: list(batch[k]) for k in takes.data}, **given)
-        except Exception as e:
+        except (Exception, SystemExit) as e:  # sys.exit() in a reward would end the run with its status, silently
             if name not in self.user_defined:
                 raise
             raise RewardError(
