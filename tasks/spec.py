@@ -20,6 +20,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
+
 from pydantic import Field, ValidationError, field_validator
 
 from infra.extras import require_extra
@@ -113,11 +114,27 @@ class ProbeConfig(Section):
         return tag
 
 
+# what MLflow's tracking stores accept (a database URI may name its driver: postgresql+psycopg2://)
+TRACKING_SCHEMES = ("", "file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks", "databricks-uc")
+
+
 class TrackingConfig(Section):
     uri: str | None = Field(
         None,
         description="MLflow tracking URI; default sqlite under the project folder. postgresql://... for a team server.",
     )
+
+    @field_validator("uri")
+    @classmethod
+    def _tracking_scheme(cls, uri):
+        # an unknown scheme passed validate and failed inside the flow, after its process had started, exit 1
+        scheme = urlsplit(uri).scheme.lower() if isinstance(uri, str) else ""
+        if scheme.split("+")[0] not in TRACKING_SCHEMES:
+            raise ValueError(
+                f"{uri!r} has the scheme {scheme!r}, which MLflow does not track to; give sqlite:///path/mlflow.db, "
+                "postgresql://user@host/db, http(s)://server, a local folder, or leave it unset for the project's store"
+            )
+        return uri
     experiment: str = Field("ballast", description="MLflow experiment the runs go to (created on first use).")
     register_as: str | None = Field(
         None,
@@ -171,6 +188,19 @@ class StorageConfig(Section):
     uri: str | None = Field(
         None, description="Artifact store root: a local directory (default <project>/artifacts) or s3://bucket/prefix."
     )
+
+    @field_validator("uri")
+    @classmethod
+    def _store_scheme(cls, uri):
+        if not isinstance(uri, str):
+            return uri
+        parsed = urlsplit(uri)
+        if parsed.scheme.lower() not in ("", "file", "s3") or (parsed.scheme == "s3" and not parsed.netloc):
+            raise ValueError(
+                f"{uri!r} is not an artifact store Ballast opens; give a local folder, file:///path or "
+                "s3://bucket/prefix (set AWS_ENDPOINT_URL_S3 for MinIO or another S3-compatible server)"
+            )
+        return uri
 
 
 class InfraConfig(Section):

@@ -108,6 +108,16 @@ CASES = [
         files={"exits_on_call.py": "import sys\n\n\ndef score(completions, answers, prompts):\n    sys.exit(0)\n"},
     ),
     Case(
+        "tracking.uri with a scheme MLflow does not know",  # it passed validate and failed in the flow, exit 1
+        "field 'tracking.uri': 'postgress://db/ballast' has the scheme 'postgress'",
+        put("tracking.uri", "postgress://db/ballast"),
+    ),
+    Case(
+        "storage.uri on a store Ballast does not open",
+        "field 'storage.uri': 'gs://bucket/runs' is not an artifact store Ballast opens",
+        put("storage.uri", "gs://bucket/runs"),
+    ),
+    Case(
         "a custom reward that raises",
         "reward 'raises_on_call' (tests.reward_fixtures:raises_on_call) raised",
         put("rewards", [{"name": "exact_answer"}, {"name": "tests.reward_fixtures:raises_on_call"}]),
