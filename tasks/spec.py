@@ -26,7 +26,7 @@ from pydantic import Field, ValidationError, field_validator
 from infra.extras import require_extra
 from trainer.config import InputError, ModelConfig, Section, TrainerConfig, is_variable_name  # noqa: F401  (ModelConfig: --base)
 from trainer.data import SOURCES, check_data, locate_data_file
-from trainer.engines.offline import check_logprobs_stored
+from trainer.engines.offline import check_trajectories
 from trainer.environment import check_environment
 from trainer.health import tag_pattern
 from trainer.locate import check_device, check_model_source, vllm_python
@@ -359,8 +359,8 @@ def validate_spec(data: dict, where: str = "spec", spec_dir: Path | None = None)
         if spec.data.eval_path is not None:
             spec.data.eval_path = locate_data_file(spec.data.eval_path, "data.eval_path", spec_dir)
         examples = check_data(spec.data)
-        if spec.rollout.engine == "offline" and spec.grpo.rollout_correction.mode != "off":
-            check_logprobs_stored(spec.data.source, spec.grpo.rollout_correction.mode)
+        if spec.rollout.engine == "offline":
+            check_trajectories(spec.data.source, spec.grpo.rollout_correction.mode)
         check_rewards(spec.rewards, spec.eval.reward, spec_dir, examples, spec.grpo.num_generations)
         if spec.data.environment is not None:
             if spec.rollout.engine == "offline":

@@ -86,6 +86,26 @@ CASES = [
         offline,
         files={"traj.jsonl": trajectory(token_ids=[60, 99999, 62])},
     ),
+    # found at validate, from the JSON alone, before the model loads (they were found once the engine read the file)
+    *(
+        Case(f"validate: trajectory {what}", fragment, offline, args=("validate", "{spec}"),
+             files={"traj.jsonl": trajectory(**completion)})  # fmt: skip
+        for what, fragment, completion in [
+            ("NaN logprob", "traj.jsonl:1 completions[0].logprobs[1] is nan", {"logprobs": [-0.1, float("nan"), -1]}),
+            ("positive logprob", "completions[0].logprobs[0] is 0.5: a logprob must be finite", {"logprobs": [0.5] * 3}),
+            ("fewer logprobs than tokens", "completions[0] has 3 tokens but 2 logprobs", {"logprobs": [-0.1, -0.2]}),
+            ("a token id that is text", "completions[0].token_ids must be a list of whole numbers", {"token_ids": ["a"]}),
+            ("a negative token id", "completions[0].token_ids must be a list of whole numbers >= 0", {"token_ids": [-1]}),
+            ("an unknown finish_reason", "completions[0].finish_reason is 'eos'", {"finish_reason": "eos"}),
+        ]
+    ),
+    Case(
+        "validate: trajectory completion with no token ids and no text",
+        "traj.jsonl:1 completions[0] has neither token_ids nor text",
+        offline,
+        args=("validate", "{spec}"),
+        files={"traj.jsonl": json.dumps({**TRAJECTORY, "completions": [{"logprobs": [-0.1]}] * 4}) + "\n"},
+    ),
     Case(
         "a JSONL line that is a list",
         "data.jsonl:2 is a JSON list",

@@ -18,7 +18,7 @@ which knows the shapes that tools write and refuses anything else with the line 
 
 A NaN, a None or a missing entry is an error naming the line, the completion and the token, never a
 silent ratio of 1. A completion with no `logprobs` field is refused before the model loads, naming the file and
-line, while grpo.rollout_correction (tis | mis) needs them (`check_logprobs_stored`, from the spec's validation);
+line, while grpo.rollout_correction (tis | mis) needs them (`check_trajectories`, from the spec's validation);
 with grpo.rollout_correction.mode: off it trains uncorrected (pi_old is the trainer's own either way).
 
 A line: {"prompt": "23+58" (or chat messages), "answer": "81", "completions": [{"token_ids": [...], "logprobs": ...,
@@ -206,11 +206,13 @@ def _conversation(items: list, where: str) -> tuple[list[dict], list[int]]:
     return messages, sampled
 
 
-def check_logprobs_stored(path: str | Path, mode: str) -> None:
-    """Before the model loads: with `grpo.rollout_correction.mode` tis or mis (`mode`), which weight each token by the
-    sampler's probability, the first completion stored without logprobs (for an episode: its first sampled turn) is a
-    TrajectoryError naming the file, the line and the completion. Reads the JSON alone (no tokenizer): lines it
-    cannot read are left to the engine, which names what is wrong with them."""
+def check_trajectories(path: str | Path, mode: str) -> None:
+    """Before the model loads (no tokenizer, no torch): each line's stored completions as far as the JSON alone says —
+    token_ids whole numbers >= 0, some tokens, logprobs of a known shape, finite, <= 0 and one per token id, a known
+    finish_reason (`check_completion`) — and, with `grpo.rollout_correction.mode` tis or mis (`mode`), which weight
+    each token by the sampler's probability, logprobs stored with every completion (for an episode: its first sampled
+    turn). A TrajectoryError naming the file, the line and the completion. Lines it cannot read as JSON objects, and
+    what needs the tokenizer (the vocabulary's bounds, an episode's turns), are left to the engine."""
     for lineno, line in enumerate(Path(path).read_text(encoding="utf-8", errors="replace").splitlines(), 1):
         try:
             row = json.loads(line) if line.strip() else None
@@ -218,13 +220,48 @@ def check_logprobs_stored(path: str | Path, mode: str) -> None:
             continue
         completions = row.get("completions") if isinstance(row, dict) else None
         for i, c in enumerate(completions if isinstance(completions, list) else []):
-            if _without_logprobs(c):
+            where = f"{path}:{lineno} completions[{i}]"
+            if isinstance(c, dict) and "messages_and_choices" not in c and "messages" not in c:
+                check_completion(c, where)
+            if mode != "off" and _without_logprobs(c):
                 raise TrajectoryError(
-                    f"{path}:{lineno} completions[{i}] has no logprobs, and grpo.rollout_correction.mode: {mode} "
+                    f"{where} has no logprobs, and grpo.rollout_correction.mode: {mode} "
                     "weights each token by the sampler's probability of it; store the logprobs the sampler returned "
                     "with each completion, or set grpo.rollout_correction.mode: off to train on the trainer's own "
                     "logprobs alone"
                 )
+
+
+def check_completion(c: dict, where: str) -> list[float] | None:
+    """One single-turn completion's fields as the JSON gives them; its logprobs (None when it stores none). What
+    needs the tokenizer — the token ids' range, the text's tokens — is the engine's."""
+    ids = c.get("token_ids")
+    if "token_ids" in c:
+        if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+            raise TrajectoryError(
+                f"{where}.token_ids must be a list of whole numbers >= 0 (token ids of the run's "
+                f"tokenizer); got {str(ids)[:80]}"
+            )
+    elif "text" not in c:
+        raise TrajectoryError(f"{where} has neither token_ids nor text")
+    if ids == [] or ("token_ids" not in c and str(c["text"]) == ""):
+        raise _empty(where)
+    finish = c.get("finish_reason")
+    if finish not in (None, "", "stop", "length"):
+        raise TrajectoryError(f"{where}.finish_reason is {finish!r}; expected 'stop' or 'length'")
+    if c.get("logprobs") is None:
+        return None
+    logprobs = read_logprobs(c["logprobs"], ids, f"{where}.logprobs")
+    if ids is not None and len(logprobs) != len(ids):
+        raise TrajectoryError(f"{where} has {len(ids)} tokens but {len(logprobs)} logprobs")
+    return logprobs
+
+
+def _empty(where: str) -> TrajectoryError:
+    return TrajectoryError(
+        f"{where} is empty (no tokens): a completion needs at least one token to be trained on; drop the line's "
+        "empty completions or regenerate them"
+    )
 
 
 def _without_logprobs(c: Any) -> bool:
@@ -287,42 +324,25 @@ class OfflineEngine:
             raise TrajectoryError(f"{where} is a {type(c).__name__}; expected an object with token_ids or text")
         if "messages_and_choices" in c or "messages" in c:
             return self._episode(c, eos, where)
+        logprobs = check_completion(c, where)
         if "token_ids" in c:
             ids = c["token_ids"]
             vocab = len(self.tokenizer)
-            if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
-                raise TrajectoryError(
-                    f"{where}.token_ids must be a list of whole numbers (token ids of the run's "
-                    f"tokenizer); got {str(ids)[:80]}"
-                )
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            bad = next((t for t in ids if t >= vocab), None)
             if bad is not None:
                 raise TrajectoryError(
                     f"{where}.token_ids holds {bad}, outside the vocabulary of the run's tokenizer "
                     f"(ids 0..{vocab - 1}); the completions were tokenised for another model — store "
                     "the text instead, or set model.name_or_path to the model that wrote them"
                 )
-        elif "text" in c:
-            ids = self.tokenizer.encode(str(c["text"]), add_special_tokens=False)
         else:
-            raise TrajectoryError(f"{where} has neither token_ids nor text")
-        if not ids:
-            raise TrajectoryError(
-                f"{where} is empty (no tokens): a completion needs at least one token to be trained "
-                "on; drop the line's empty completions or regenerate them"
-            )
-        logprobs = None
-        if c.get("logprobs") is not None:
-            logprobs = read_logprobs(c["logprobs"], ids, f"{where}.logprobs")
-            if len(logprobs) != len(ids):
+            ids = self.tokenizer.encode(str(c["text"]), add_special_tokens=False)
+            if not ids:
+                raise _empty(where)
+            if logprobs is not None and len(logprobs) != len(ids):
                 raise TrajectoryError(
-                    f"{where} has {len(ids)} tokens but {len(logprobs)} logprobs"
-                    + (
-                        ""
-                        if "token_ids" in c
-                        else " (its text was tokenised with the run's tokenizer; "
-                        "store the sampled token_ids with the logprobs)"
-                    )
+                    f"{where} has {len(ids)} tokens but {len(logprobs)} logprobs (its text was tokenised with the "
+                    "run's tokenizer; store the sampled token_ids with the logprobs)"
                 )
         finish = c.get("finish_reason") or ("stop" if ids and ids[-1] in eos else "length")
         if finish not in ("stop", "length"):
