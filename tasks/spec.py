@@ -20,7 +20,6 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-
 from pydantic import Field, ValidationError, field_validator
 
 from infra.extras import require_extra
@@ -115,7 +114,7 @@ class ProbeConfig(Section):
 
 
 # what MLflow's tracking stores accept (a database URI may name its driver: postgresql+psycopg2://)
-TRACKING_SCHEMES = ("", "file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks", "databricks-uc")
+TRACKING_SCHEMES = ("", "file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks")
 
 
 class TrackingConfig(Section):
@@ -129,12 +128,13 @@ class TrackingConfig(Section):
     def _tracking_scheme(cls, uri):
         # an unknown scheme passed validate and failed inside the flow, after its process had started, exit 1
         scheme = urlsplit(uri).scheme.lower() if isinstance(uri, str) else ""
-        if scheme.split("+")[0] not in TRACKING_SCHEMES:
+        if scheme.split("+")[0].removesuffix("-uc") not in TRACKING_SCHEMES:
             raise ValueError(
                 f"{uri!r} has the scheme {scheme!r}, which MLflow does not track to; give sqlite:///path/mlflow.db, "
                 "postgresql://user@host/db, http(s)://server, a local folder, or leave it unset for the project's store"
             )
         return uri
+
     experiment: str = Field("ballast", description="MLflow experiment the runs go to (created on first use).")
     register_as: str | None = Field(
         None,
