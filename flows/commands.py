@@ -472,6 +472,8 @@ def _train_dir(spec: ExperimentSpec, args) -> tuple[Path, Path | None]:
     )
 
     out = Path(args.output or Path(spec.project_dir) / "runs" / spec.name)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--output {out}: is a file; give the run's directory (it is made if missing)")
     if not args.resume:
         if list_checkpoints(out / "checkpoints"):
             raise UserError(
@@ -539,6 +541,7 @@ def cmd_sync(args) -> int:
 
 def cmd_probe(args) -> int:
     _check_target(args.checkpoint)  # a mistyped path: one line before torch loads
+    _check_output_files(args, "json", "html")
     cfg, model_cfg, lora_cfg, spec = _probe_settings(args)
     from tasks.probe import base_model_of, probe_checkpoint
     from tasks.results import ProbeError
@@ -599,8 +602,17 @@ def _probe_settings(args):
         err = e.errors()[0]
         flag = {"prompts_file": "prompts"}.get(str(err["loc"][0]), str(err["loc"][0])).replace("_", "-")
         raise UserError(f"--{flag}: {err['msg'].removeprefix('Value error, ')} (got {err.get('input')!r})") from None
-    if cfg.prompts_file and not Path(cfg.prompts_file).expanduser().is_file():
-        raise UserError(f"--prompts {cfg.prompts_file}: no such file; give a .jsonl or .txt of probe prompts")
+    if args.prompts:  # read now, not after the checkpoint and the model have loaded
+        from tasks.spec import load_probe_prompts
+
+        try:
+            load_probe_prompts(args.prompts)
+        except (ValueError, FileNotFoundError) as e:
+            raise UserError(f"--prompts {args.prompts}: {e}") from None
+    if args.device:
+        from trainer.locate import check_device
+
+        check_device(args.device, "--device")
     model_cfg = spec.model if spec else None
     update = {}
     if args.base:
@@ -612,6 +624,14 @@ def _probe_settings(args):
     elif update and args.base:
         model_cfg = ModelConfig(name_or_path=args.base, device=args.device or "auto")
     return cfg, model_cfg, (spec.lora if spec else None), spec
+
+
+def _check_output_files(args, *flags: str) -> None:
+    """A file flag (--json, --html) that names a folder was found by the write, after the work: refused first."""
+    for flag in flags:
+        out = getattr(args, flag, None)
+        if out and Path(out).expanduser().is_dir():
+            raise UserError(f"--{flag} {out}: is a folder; give a file to write, e.g. {Path(out) / ('report.' + flag)}")
 
 
 def _check_target(target: str) -> None:
@@ -626,6 +646,9 @@ def cmd_compare(args) -> int:
     if not 0 < args.alpha < 1:  # before anything loads
         raise UserError(f"--alpha {args.alpha}: give a significance level between 0 and 1, e.g. 0.01")
     _check_compare_tracking(args)  # a tracking server that is down: one line before torch and MLflow are imported
+    _check_output_files(args, "json", "html")
+    if args.plots and Path(args.plots).expanduser().is_file():
+        raise UserError(f"--plots {args.plots}: is a file; give a folder to write the plots into")
     for name, target in (("A", args.a), ("B", args.b)):  # a typo in either: before A is probed, before torch
         named = target.startswith("s3://") or re.fullmatch(r"[0-9a-f]{32}", target)
         if not (named or Path(target).expanduser().exists()):

@@ -49,10 +49,10 @@ from transformers import AutoTokenizer
 
 from tasks.checkpoint import fetch_checkpoint
 from tasks.results import CI_LEVEL, Baseline, Check, ProbeError, ProbeReport, ProbeSample, PromptResult
-from tasks.spec import ProbeConfig
+from tasks.spec import ProbeConfig, load_probe_prompts
 from trainer.checkpoint import Checkpoint, CheckpointError, fault_point
 from trainer.config import DataConfig, LoraConfig, ModelConfig, RewardConfig
-from trainer.data import jsonl_rows, load_datasets, render_prompt
+from trainer.data import load_datasets, render_prompt
 from trainer.engines.base import SamplingParams
 from trainer.engines.hf import HFEngine
 from trainer.health import REASONS, classify, reason_code
@@ -66,41 +66,6 @@ SHOW_DIFFS = 3  # examples quoted in a tokenizer-mismatch message
 
 
 # ── probe prompts ──────────────────────────────────────────────────────────────────────────────────
-
-
-def load_probe_prompts(path: str | Path) -> list[dict]:
-    """Probe prompts from a .jsonl ({"prompt", optional "answer", optional "expected_length"}) or a
-    .txt (one prompt per line) file."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"probe prompts file {path} does not exist; set probe.prompts_file (or --prompts) to a "
-            ".jsonl or .txt file, or leave it unset for the experiment's held-out prompts"
-        )
-    prompts: list[dict] = []
-    if path.suffix == ".txt":
-        lines = path.read_text(encoding="utf-8").splitlines()
-        prompts = [{"prompt": line.rstrip("\n")} for line in lines if line.strip()]
-    elif path.suffix == ".jsonl":
-        for where, row in jsonl_rows(path, "an object with a 'prompt'"):
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
-                raise ValueError(f"{where}: each line must be a JSON object with a non-empty 'prompt' string")
-            unknown = set(row) - {"prompt", "answer", "expected_length"}
-            if unknown:
-                allowed = "prompt, answer, expected_length"
-                raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}; allowed: {allowed}")
-            expected = row.get("expected_length")
-            if expected is not None and (not isinstance(expected, int) or expected < 1):
-                raise ValueError(f"{where}: expected_length must be a positive integer (characters), got {expected!r}")
-            prompts.append({"prompt": row["prompt"], "answer": row.get("answer"), "expected_length": expected})
-    else:
-        raise ValueError(f"probe prompts file {path} must be .jsonl or .txt")
-    if not prompts:
-        raise ValueError(f"probe prompts file {path} holds no prompts")
-    for p in prompts:
-        p.setdefault("answer", None)
-        p.setdefault("expected_length", None)
-    return prompts
 
 
 def held_out_prompts(data: DataConfig, k: int) -> tuple[list[dict], str]:

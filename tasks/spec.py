@@ -24,7 +24,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from infra.extras import require_extra
 from trainer.config import InputError, ModelConfig, Section, TrainerConfig, is_variable_name  # noqa: F401  (ModelConfig: --base)
-from trainer.data import SOURCES, check_data, locate_data_file
+from trainer.data import SOURCES, check_data, jsonl_rows, locate_data_file
 from trainer.engines.offline import check_trajectories
 from trainer.environment import check_environment
 from trainer.health import tag_pattern
@@ -111,6 +111,41 @@ class ProbeConfig(Section):
         if isinstance(tag, str):
             tag_pattern(tag)  # raises ValueError naming the tag and the allowed characters
         return tag
+
+
+def load_probe_prompts(path: str | Path) -> list[dict]:
+    """Probe prompts from a .jsonl ({"prompt", optional "answer", optional "expected_length"}) or a
+    .txt (one prompt per line) file."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"probe prompts file {path} does not exist; set probe.prompts_file (or --prompts) to a "
+            ".jsonl or .txt file, or leave it unset for the experiment's held-out prompts"
+        )
+    prompts: list[dict] = []
+    if path.suffix == ".txt":
+        lines = path.read_text(encoding="utf-8").splitlines()
+        prompts = [{"prompt": line.rstrip("\n")} for line in lines if line.strip()]
+    elif path.suffix == ".jsonl":
+        for where, row in jsonl_rows(path, "an object with a 'prompt'"):
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
+                raise ValueError(f"{where}: each line must be a JSON object with a non-empty 'prompt' string")
+            unknown = set(row) - {"prompt", "answer", "expected_length"}
+            if unknown:
+                allowed = "prompt, answer, expected_length"
+                raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}; allowed: {allowed}")
+            expected = row.get("expected_length")
+            if expected is not None and (not isinstance(expected, int) or expected < 1):
+                raise ValueError(f"{where}: expected_length must be a positive integer (characters), got {expected!r}")
+            prompts.append({"prompt": row["prompt"], "answer": row.get("answer"), "expected_length": expected})
+    else:
+        raise ValueError(f"probe prompts file {path} must be .jsonl or .txt")
+    if not prompts:
+        raise ValueError(f"probe prompts file {path} holds no prompts")
+    for p in prompts:
+        p.setdefault("answer", None)
+        p.setdefault("expected_length", None)
+    return prompts
 
 
 # what MLflow's tracking stores accept (a database URI may name its driver: postgresql+psycopg2://)
@@ -359,6 +394,14 @@ def validate_spec(data: dict, where: str = "spec", spec_dir: Path | None = None)
         if spec.data.eval_path is not None:
             spec.data.eval_path = locate_data_file(spec.data.eval_path, "data.eval_path", spec_dir)
         examples = check_data(spec.data)
+        if (
+            spec.probe.prompts_file is not None
+        ):  # read after training (and by `ballast probe --spec`): a typo cost the run
+            try:
+                spec.probe.prompts_file = locate_data_file(spec.probe.prompts_file, "probe.prompts_file", spec_dir)
+            except FileNotFoundError:
+                pass  # load_probe_prompts names the field and what it takes
+            load_probe_prompts(spec.probe.prompts_file)
         if spec.rollout.engine == "offline":
             check_trajectories(spec.data.source, spec.grpo.rollout_correction.mode)
         check_rewards(spec.rewards, spec.eval.reward, spec_dir, examples, spec.grpo.num_generations)

@@ -142,6 +142,25 @@ CASES = [
         "field 'storage.uri': 'gs://bucket/runs' is not an artifact store Ballast opens",
         put("storage.uri", "gs://bucket/runs"),
     ),
+    Case(  # it was read after training, in the probe stage
+        "validate: probe.prompts_file that does not exist",
+        "probe prompts file nope.jsonl does not exist; set probe.prompts_file",
+        put("probe.prompts_file", "nope.jsonl"),
+        args=("validate", "{spec}"),
+    ),
+    Case(
+        "validate: probe.prompts_file with a line that is not a prompt",
+        "probe.jsonl:1: each line must be a JSON object with a non-empty 'prompt' string",
+        put("probe.prompts_file", "probe.jsonl"),
+        args=("validate", "{spec}"),
+        files={"probe.jsonl": '{"question": "2+2"}\n'},
+    ),
+    Case(
+        "train --output naming a file",
+        "is a file; give the run's directory",
+        args=("train", "{spec}", "--output", "{dir}/taken", "--quiet"),
+        files={"taken": "a file\n"},
+    ),
     Case(
         "a custom reward that raises",
         "reward 'raises_on_call' (tests.reward_fixtures:raises_on_call) raised",

@@ -88,6 +88,25 @@ def test_train_resume_with_a_changed_spec_is_refused_and_keeps_the_runs_spec(pip
     assert "spec field lora.r was 8 and is now 4" in capsys.readouterr().err
 
 
+def test_train_resume_with_fewer_steps_than_the_run_has_is_refused(pipeline_run, unchanged, capsys):
+    """It said the run was done, and rewrote the run's spec.yaml with the smaller optim.steps."""
+    spec, _, run_dir = pipeline_run
+    assert ballast("train", spec, "--output", run_dir, "--resume", "--steps", "1") == 2
+    assert "past optim.steps 1; give more steps than" in capsys.readouterr().err
+
+
+def test_probe_refuses_a_bad_prompts_file_and_an_output_folder_before_loading(
+    pipeline_run, unchanged, tmp_path, capsys
+):
+    """Both were found after the checkpoint and the model had loaded: the prompts exit 1, the folder a traceback."""
+    checkpoint = newest_adapter(pipeline_run[2]).parent.parent
+    (tmp_path / "p.jsonl").write_text('{"question": "2+2"}\n')
+    assert ballast("probe", checkpoint, "--prompts", tmp_path / "p.jsonl") == 2
+    assert "p.jsonl:1: each line must be a JSON object with a non-empty 'prompt'" in capsys.readouterr().err
+    assert ballast("probe", checkpoint, "--html", tmp_path) == 2
+    assert f"--html {tmp_path}: is a folder" in capsys.readouterr().err
+
+
 def test_train_into_a_directory_with_checkpoints_without_resume_is_refused(pipeline_run, unchanged, capsys):
     spec, _, run_dir = pipeline_run
     assert ballast("train", spec, "--output", run_dir) == 2

@@ -75,6 +75,12 @@ def check_resume(cfg: TrainerConfig, output_dir: str | Path) -> Path | None:
     if checkpoint is None:
         return None
     refuse_changed_config(checkpoint.trainer_state().get("config", {}), resumable_view(cfg), checkpoint.path)
+    if checkpoint.step > cfg.optim.steps:  # it said the run was done, and the run directory's spec was rewritten
+        raise ckpt.CheckpointError(
+            f"cannot resume from {checkpoint.path}: it is at step {checkpoint.step}, past optim.steps "
+            f"{cfg.optim.steps}; give more steps than {checkpoint.step} to train on (--steps), or fork a new run "
+            "from an earlier checkpoint"
+        )
     for name in RECORDS:  # a damaged record (RecordError) would stop the resume after the model load
         read_rows(Path(output_dir) / name)
     return checkpoint.path
