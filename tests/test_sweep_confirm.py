@@ -6,6 +6,7 @@ trained again with other seeds, a child run of the study's parent, scored on the
 own confirmation file is scored as the split's part is. Real Optuna, MLflow, Prefect, torch."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -171,6 +172,10 @@ def test_promote_refuses_without_a_claim_and_continues_a_named_trial_from_its_ch
         assert f"promote it anyway with --promote {c.winner}" in capsys.readouterr().err
     assert ballast("sweep", confirmed_sweep["path"], "--promote", "99") == 2
     assert "has no completed trial 99" in capsys.readouterr().err
+    elsewhere = Path(confirmed_sweep["path"]).parent / "elsewhere"  # a sweep run with --set project_dir keeps it there
+    assert ballast("sweep", confirmed_sweep["path"], "--promote", "--set", f"project_dir={elsewhere}") == 2
+    err = capsys.readouterr().err
+    assert "does not exist in this storage (it has none)" in err and f"looked in sqlite:///{elsewhere}" in err
     assert ballast("sweep", confirmed_sweep["path"], "--promote", c.winner, "--continue") == 0
     parent = client.get_run(confirmed_sweep["parent"].info.run_id)
     run = client.get_run(parent.data.tags["ballast.promoted_run"])
