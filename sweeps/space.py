@@ -51,6 +51,7 @@ The choices, on purpose:
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 from pathlib import Path
@@ -424,6 +425,7 @@ def check_space(sweep: SweepSpec, where: str = "sweep") -> None:
                     f"{where}: field 'space.{key}': value {value!r} is not accepted by the spec "
                     f"({str(e).split(': ', 1)[-1]})"
                 ) from None
+    _check_corners(sweep, base, where)
     if len(sweep.objectives) == 2 and sweep.pruner.type != "none":
         raise SweepError(
             f"{where}: field 'pruner': Optuna cannot prune a two-objective study; "
@@ -443,6 +445,32 @@ def check_space(sweep: SweepSpec, where: str = "sweep") -> None:
                 f"{where}: field 'trials': {sweep.trials} is more than the {sweep.grid_size()} points of the grid"
             )
     check_concurrent_sweep(sweep, where, base)
+
+
+MAX_CORNERS = 4096  # combinations of the dimensions' edge values checked together (each a pydantic validation, ~0.1 ms)
+
+
+def _check_corners(sweep: SweepSpec, base: dict, where: str) -> None:
+    """Every combination of the dimensions' edge values is a spec the fields' cross-checks accept (min_tokens at its
+    high edge beside max_tokens at its low one, a batch the ranks cannot split): each value alone passed, so without
+    this the first trial to draw such a pair failed, hours in. The spec's own checks only (pydantic): the data and
+    the rewards were checked once with the base."""
+    edges = [param.bounds() for param in sweep.space.values()]
+    if len(edges) < 2 or math.prod(map(len, edges)) > MAX_CORNERS:
+        return
+    for values in itertools.product(*edges):
+        data = json.loads(json.dumps(base))
+        for key, value in zip(sweep.space, values):
+            set_path(data, f"{key}={json.dumps(value)}")
+        try:
+            ExperimentSpec.model_validate(data)
+        except ValidationError as e:
+            together = ", ".join(f"{key}={value!r}" for key, value in zip(sweep.space, values))
+            raise SweepError(
+                f"{where}: field 'space': the trial {together} is not accepted by the spec "
+                f"({describe_validation_error(e, '')}); each value alone is: narrow the ranges so that every "
+                "combination is valid"
+            ) from None
 
 
 def check_concurrent_sweep(sweep: SweepSpec, where: str = "sweep", base: dict | None = None) -> None:

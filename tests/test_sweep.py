@@ -99,6 +99,15 @@ def base_sweep(tiny_model, tmp_path):
         (lambda d: d.update(objectives=[{"metric": "rewrd"}]), "'objectives.0'"),
         (lambda d: d["space"].update({"grpo.beta": {"type": "float", "low": 0.01, "high": 0.1}}), "'sampler'"),
         (lambda d: d.update(trials=9), "'trials'"),
+        (  # each value alone is valid; min_tokens 20 beside max_tokens 16 is not (it failed that trial, hours in)
+            lambda d: d["space"].update(
+                {
+                    "rollout.min_tokens": {"type": "categorical", "choices": [0, 20]},
+                    "rollout.max_tokens": {"type": "categorical", "choices": [16, 48]},
+                }
+            ),
+            "'space': the trial optim.learning_rate=",
+        ),
         (
             lambda d: d.update(
                 objectives=[{"metric": "eval/reward"}, {"metric": "stability", "direction": "minimize"}],
