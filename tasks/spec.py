@@ -403,7 +403,7 @@ def validate_spec(data: dict, where: str = "spec", spec_dir: Path | None = None)
                 pass  # load_probe_prompts names the field and what it takes
             load_probe_prompts(spec.probe.prompts_file)
         if spec.rollout.engine == "offline":
-            check_trajectories(spec.data.source, spec.grpo.rollout_correction.mode)
+            check_trajectories(spec.data.source, spec.grpo.rollout_correction.mode, spec.grpo.num_generations)
         check_rewards(spec.rewards, spec.eval.reward, spec_dir, examples, spec.grpo.num_generations)
         if spec.data.environment is not None:
             if spec.rollout.engine == "offline":

@@ -97,6 +97,16 @@ def nan_from_third_call(completions, answers, prompts):
     return [float("nan") if CALLS["nan_from_third_call"] >= 3 else 1.0 for _ in completions]
 
 
+def nan_for_sampled(completions, answers, prompts):
+    """1.0 for the spec check's placeholder completions, NaN for anything else: passes validate, is NaN in step 1."""
+    from trainer.rewards import PLACEHOLDERS, accepted
+
+    def placeholder(c, a):
+        return any(c == p.format(answer=accepted(a)[0]) for p in PLACEHOLDERS)
+
+    return [1.0 if placeholder(c, a) else float("nan") for c, a in zip(completions, answers)]
+
+
 def last_word(completions, answers, prompts):
     return [float(c.split()[-1] == a) for c, a in zip(completions, answers)]  # IndexError on an empty completion
 

@@ -105,6 +105,13 @@ CASES = [
         ]
     ),
     Case(
+        "validate: trajectory groups of another size than grpo.num_generations",
+        "traj.jsonl:1 has 3 completions but grpo.num_generations is 4",
+        offline,
+        args=("validate", "{spec}"),
+        files={"traj.jsonl": json.dumps({**TRAJECTORY, "completions": TRAJECTORY["completions"][:3]}) + "\n"},
+    ),
+    Case(
         "validate: trajectory completion with no token ids and no text",
         "traj.jsonl:1 completions[0] has neither token_ids nor text",
         offline,
@@ -160,6 +167,12 @@ CASES = [
         "is a file; give the run's directory",
         args=("train", "{spec}", "--output", "{dir}/taken", "--quiet"),
         files={"taken": "a file\n"},
+    ),
+    Case(  # found in the pipeline's train task: Prefect's tracebacks of the task and the flow came before the line
+        "ballast run: a reward that returns NaN for sampled completions",
+        "reward 'nan_for_sampled' returned nan for completion 0; reward functions must return finite floats",
+        put("rewards", [{"name": "exact_answer"}, {"name": "tests.reward_fixtures:nan_for_sampled"}]),
+        args=("run", "{spec}"),
     ),
     Case(
         "a custom reward that raises",

@@ -1,5 +1,6 @@
 """A signal said once: the stopped run's (or sweep's) one line naming the command that continues it — none of the
-tracebacks and crash errors Optuna and Prefect log about a KeyboardInterrupt or a TerminationSignal under it.
+tracebacks and crash errors Optuna and Prefect log about a KeyboardInterrupt or a TerminationSignal under it. Bad
+input said once too: the command's one `error:` line, not Prefect's tracebacks of the task and flow it went through.
 """
 
 from __future__ import annotations
@@ -43,6 +44,37 @@ class _NoInterruptedTrials(logging.Filter):
         )
 
 
+def _input_error(e: BaseException | None) -> BaseException | None:
+    """The InputError `e` is or was raised from (a stage's StageError wraps the trainer's), else None."""
+    from trainer.config import InputError
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, InputError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__
+    return None
+
+
+class _NoInputErrorTracebacks(logging.Filter):
+    """Drops what Prefect logs about a task or flow that raised bad input (an InputError, whatever wraps it): 'Task
+    run failed with exception' and 'Encountered exception during execution' with their tracebacks, and the 'Finished
+    in state Failed(...)' lines quoting it. The command prints the error's one line and exits 2 (flows/cli.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.said: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        bad = _input_error(record.exc_info[1]) if record.exc_info else None
+        if bad is not None:
+            self.said.add(str(bad))
+            return False
+        message = record.getMessage()
+        return not any(said in message for said in self.said)
+
+
 @contextmanager
 def _filtered(filters: dict[logging.Filter, tuple[str, ...]]):
     """Each filter on its loggers for the block."""
@@ -59,7 +91,7 @@ def _filtered(filters: dict[logging.Filter, tuple[str, ...]]):
 def signal_crashes_unsaid():
     """Around a run's command (`ballast run`): Prefect's errors about the signal that stopped it are not logged; the
     command prints its own stop line (tasks/results.py RunInterrupted)."""
-    return _filtered({_NoSignalCrashes(): PREFECT_LOGGERS})
+    return _filtered({_NoSignalCrashes(): PREFECT_LOGGERS, _NoInputErrorTracebacks(): PREFECT_LOGGERS})
 
 
 @contextmanager
@@ -67,7 +99,11 @@ def interrupts_said_once(command: str):
     """Around a sweep command: a Ctrl-C (or SIGTERM) leaves the terminal with the interrupted trial's stop line and
     one SweepInterrupted naming `command` to continue the study — no tracebacks from the libraries under it."""
     with _filtered(
-        {_NoSignalCrashes(): PREFECT_LOGGERS, _NoInterruptedTrials(): ("optuna.study._optimize", *PREFECT_LOGGERS)}
+        {
+            _NoSignalCrashes(): PREFECT_LOGGERS,
+            _NoInterruptedTrials(): ("optuna.study._optimize", *PREFECT_LOGGERS),
+            _NoInputErrorTracebacks(): PREFECT_LOGGERS,
+        }
     ):
         try:
             yield

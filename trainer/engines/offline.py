@@ -206,19 +206,22 @@ def _conversation(items: list, where: str) -> tuple[list[dict], list[int]]:
     return messages, sampled
 
 
-def check_trajectories(path: str | Path, mode: str) -> None:
+def check_trajectories(path: str | Path, mode: str, group_size: int | None = None) -> None:
     """Before the model loads (no tokenizer, no torch): each line's stored completions as far as the JSON alone says —
-    token_ids whole numbers >= 0, some tokens, logprobs of a known shape, finite, <= 0 and one per token id, a known
-    finish_reason (`check_completion`) — and, with `grpo.rollout_correction.mode` tis or mis (`mode`), which weight
-    each token by the sampler's probability, logprobs stored with every completion (for an episode: its first sampled
-    turn). A TrajectoryError naming the file, the line and the completion. Lines it cannot read as JSON objects, and
-    what needs the tokenizer (the vocabulary's bounds, an episode's turns), are left to the engine."""
+    `group_size` of them a prompt (`check_group`); token_ids whole numbers >= 0, some tokens, logprobs of a known
+    shape, finite, <= 0 and one per token id, a known finish_reason (`check_completion`) — and, with
+    `grpo.rollout_correction.mode` tis or mis (`mode`), which weight each token by the sampler's probability,
+    logprobs stored with every completion (for an episode: its first sampled turn). A TrajectoryError naming the
+    file, the line and the completion. Lines it cannot read as JSON objects, and what needs the tokenizer (the
+    vocabulary's bounds, an episode's turns), are left to the engine."""
     for lineno, line in enumerate(Path(path).read_text(encoding="utf-8", errors="replace").splitlines(), 1):
         try:
             row = json.loads(line) if line.strip() else None
         except json.JSONDecodeError:
             continue
         completions = row.get("completions") if isinstance(row, dict) else None
+        if group_size is not None and isinstance(completions, list) and completions:
+            check_group(completions, group_size, f"{path}:{lineno}")
         for i, c in enumerate(completions if isinstance(completions, list) else []):
             where = f"{path}:{lineno} completions[{i}]"
             if isinstance(c, dict) and "messages_and_choices" not in c and "messages" not in c:
@@ -230,6 +233,15 @@ def check_trajectories(path: str | Path, mode: str) -> None:
                     "with each completion, or set grpo.rollout_correction.mode: off to train on the trainer's own "
                     "logprobs alone"
                 )
+
+
+def check_group(group: list, group_size: int, where: str) -> None:
+    """A prompt's stored completions are one GRPO group: grpo.num_generations of them."""
+    if len(group) != group_size:
+        raise TrajectoryError(
+            f"{where} has {len(group)} completions but grpo.num_generations is {group_size}; set "
+            "grpo.num_generations to the group size of the file"
+        )
 
 
 def check_completion(c: dict, where: str) -> list[float] | None:
@@ -516,11 +528,7 @@ class OfflineEngine:
                     "data.source must be the trajectory file itself"
                 )
             lineno, group = found
-            if len(group) != params.n:
-                raise TrajectoryError(
-                    f"{self.path}:{lineno} has {len(group)} completions but grpo.num_generations is "
-                    f"{params.n}; set grpo.num_generations to the group size of the file"
-                )
+            check_group(group, params.n, f"{self.path}:{lineno}")
             out.append(group)
         return out
 
