@@ -389,3 +389,12 @@ def test_columns_reach_the_reward_in_training_steps_and_evals(tiny_model, tmp_pa
     prompts = [p for i, p in enumerate(step["prompts"]) if i % 4 == 0]  # 2 prompts x 4 completions
     assert step["country"] == [f"c{p.split('+')[0]}" for p in prompts for _ in range(4)]
     assert evaluation["country"] == ["c1", "c2"]
+
+
+def test_a_built_in_source_takes_its_held_out_prompts_from_eval_path_when_given(tmp_path):
+    """data.eval_path beside a built-in source was ignored: the run scored on prompts it drew instead."""
+    held_out = write_lines(tmp_path / "held_out.jsonl", '{"prompt": "What is 40+2?", "answer": "42"}')
+    train, drawn = load_datasets(DataConfig(source="arith", num_prompts=8, num_eval_prompts=4))
+    train_too, given = load_datasets(DataConfig(source="arith", num_prompts=8, eval_path=str(held_out)))
+    assert [e.prompt for e in given] == ["What is 40+2?"] and len(drawn) == 4
+    assert [e.prompt for e in train_too] == [e.prompt for e in train]  # the training prompts are the source's still

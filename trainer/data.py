@@ -313,11 +313,14 @@ def is_file_source(source: str) -> bool:
 
 
 def load_datasets(cfg: DataConfig) -> tuple[list[Example], list[Example]]:
-    """(train, eval) examples. A built-in source's eval set is drawn with another seed and never
-    overlaps the training prompts; a file source's is data.eval_path (empty without one)."""
+    """(train, eval) examples. The eval set is data.eval_path when it is given (with a built-in source too: it was
+    ignored there); else a built-in source's is drawn with another seed and never overlaps the training prompts, and
+    a file source has none."""
     if cfg.source in SOURCES:
         make = SOURCES[cfg.source]
         train = make(cfg.num_prompts, cfg.seed, cfg.max_digits)
+        if cfg.eval_path:
+            return train, read_examples(cfg.eval_path, "data.eval_path", cfg.eval_split)
         seen = {e.prompt for e in train}
         pool = make(cfg.num_eval_prompts * 4 + 64, cfg.seed + EVAL_SEED_OFFSET, cfg.max_digits)
         held_out = [e for e in pool if e.prompt not in seen][: cfg.num_eval_prompts]
