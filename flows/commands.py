@@ -155,10 +155,14 @@ def _check_fork(spec: ExperimentSpec) -> None:
             "tracking.uri to its store"
         )
     from tasks.fork import ForkError, resolve_fork
-    from tasks.tracking import Tracking
 
     try:
-        resolve_fork(spec, Tracking(spec).checkpoint_prefix)
+        if spec.fork.run_id:  # a run's checkpoints are found through the tracking store
+            from tasks.tracking import Tracking
+
+            resolve_fork(spec, Tracking(spec).checkpoint_prefix)
+        else:  # a checkpoint is found where it is: no tracking store opened (it made the project's mlflow.db)
+            resolve_fork(spec, None)
     except ForkError:
         raise
     except (ValueError, FileNotFoundError) as e:  # the run id is not in the tracking store, the path is not there

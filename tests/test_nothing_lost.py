@@ -189,6 +189,16 @@ def test_run_resume_of_a_run_with_a_damaged_record_is_refused(pipeline_run, dama
 # ── ballast run forking from the run ───────────────────────────────────────────────────────────────
 
 
+def test_validate_of_a_fork_from_a_checkpoint_opens_no_tracking_store(pipeline_run, tmp_path):
+    """It made the project's mlflow.db, for a fork found where it is."""
+    spec, _, run_dir = pipeline_run
+    source = newest_adapter(run_dir).parent.parent
+    fresh = tmp_path / "fresh-project"
+    forked = {**yaml.safe_load(spec.read_text()), "fork": {"checkpoint": str(source)}, "project_dir": str(fresh)}
+    assert ballast("validate", write(tmp_path / "fork.yaml", forked)) == 0
+    assert not (fresh / "mlflow.db").exists()
+
+
 def test_a_fork_from_a_tampered_checkpoint_is_refused_before_any_run_exists(pipeline_run, unchanged, tmp_path, capsys):
     spec, _, run_dir = pipeline_run
     source = tmp_path / "tampered"
