@@ -178,12 +178,14 @@ def record_confirmation(recorder: SweepRecorder, c: Confirmation) -> None:
     """The verdict on the study's parent run — metrics `confirm/*` and the lines as tag `confirmation` — and each
     confirmed trial's score on the judging prompts on its own run (`Confirm/<metric>`). The metrics say what the
     verdict's lines say: the winner (best on the judging prompts), its scores and seeds, and `confirm/claimed`, the
-    trial that beats the base model (the winner, or the runner-up when the winner did not hold), when one does."""
+    trial that beats the base model (the winner, or the runner-up when the winner did not hold), when one does (NaN,
+    and tag `claimed_trial` none, when none does)."""
     rid, win = recorder.parent_run_id, c.candidate(c.winner)
     metrics = {"confirm/baseline": c.baseline, "confirm/prompts": float(c.n_prompts), "confirm/trials": float(c.m)}
     metrics |= {"confirm/winner": float(win.number), "confirm/beats": float(c.beats), "confirm/seconds": c.seconds}
-    if c.claimed is not None:
-        metrics["confirm/claimed"] = float(c.claimed)
+    # NaN without a claim: a metric's latest value is what the run shows, and an earlier confirmation's claim
+    # (before --trials was raised) must not stand beside this verdict
+    metrics["confirm/claimed"] = float("nan") if c.claimed is None else float(c.claimed)
     metrics |= {f"confirm/{k}": float(win.judged[k]) for k in ("score", "gain", "ci95")}
     metrics["confirm/selection_gain"] = float(win.selection["gain"])
     if (spread := win.spread()) is not None and spread.n > 1:
@@ -192,6 +194,7 @@ def record_confirmation(recorder: SweepRecorder, c: Confirmation) -> None:
         if value is not None:
             recorder.client.log_metric(rid, key, float(value))
     tags = {"confirmation": "\n".join(verdict_lines(c))[:5000], "confirmed_on": c.judged_on}
+    tags["claimed_trial"] = "none" if c.claimed is None else str(c.claimed)
     recorder.tracking.set_tags(rid, tags)
     for cand in c.candidates:
         if cand.mlflow_run_id and cand.judged:

@@ -191,9 +191,9 @@ class SweepRecorder:
         best = summary.best_rows()
         for k, v in ((best[0].get("values") or {}) if best else {}).items():
             self.client.log_metric(rid, f"best/{k}", float(v))
-        if summary.best and summary.best.get("gain") is not None:
-            self.client.log_metric(rid, "best/gain", float(summary.best["gain"]))
-            self.client.log_metric(rid, "best/gain_ci95", 1.96 * float(summary.best["gain_stderr"]))
+        if summary.best and summary.best.get("gain") is not None:  # its gain where it was selected, not the verdict's
+            self.client.log_metric(rid, "best/selection_gain", float(summary.best["gain"]))  # (confirm/gain: judged)
+            self.client.log_metric(rid, "best/selection_gain_ci95", 1.96 * float(summary.best["gain_stderr"]))
         self.client.log_metric(rid, "trial_steps_saved", float(summary.steps_saved))
         for key, value in summary.cost_metrics().items():  # what the answer cost
             self.client.log_metric(rid, key, value)

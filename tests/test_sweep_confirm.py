@@ -6,6 +6,7 @@ trained again with other seeds, a child run of the study's parent, scored on the
 own confirmation file is scored as the split's part is. Real Optuna, MLflow, Prefect, torch."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -75,7 +76,12 @@ def test_the_parent_run_and_the_summary_carry_the_confirmed_verdict(confirmed_sw
     win = c.candidate(c.winner)  # the verdict's first line: "best on confirmation: trial W"
     assert parent.data.metrics["confirm/winner"] == c.winner
     assert parent.data.metrics["confirm/score"] == pytest.approx(win.judged["score"])
-    assert parent.data.metrics.get("confirm/claimed") == (None if c.claimed is None else float(c.claimed))
+    claimed = parent.data.metrics["confirm/claimed"]
+    assert math.isnan(claimed) if c.claimed is None else claimed == c.claimed
+    assert parent.data.tags["ballast.claimed_trial"] == ("none" if c.claimed is None else str(c.claimed))
+    best = summary.get("best") or {}  # a trial beyond noise on the selection prompts, if one is
+    assert parent.data.metrics.get("best/selection_gain") == (pytest.approx(best["gain"]) if best else None)
+    assert "best/gain" not in parent.data.metrics  # it read as the verdict's gain beside confirm/gain
     assert parent.data.metrics["confirm/selection_gain"] == pytest.approx(win.selection["gain"])
     assert parent.data.metrics["confirm/prompts"] == 4
     assert parent.data.tags["ballast.confirmed_on"] == "confirmation"
