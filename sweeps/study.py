@@ -41,6 +41,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -209,7 +210,7 @@ def fail_dead_workers(study: optuna.Study) -> None:
     storage = study._storage
     callback = getattr(storage, "get_heartbeat_stale_trial_callback", lambda: None)()
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if not gone_here(str(t.user_attrs.get("worker", ""))):
+        if not (gone_here(str(t.user_attrs.get("worker", ""))) or _never_claimed(storage, t)):
             continue
         try:
             storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
@@ -217,6 +218,19 @@ def fail_dead_workers(study: optuna.Study) -> None:
             continue  # another worker failed it first
         if isinstance(callback, _Interrupted):
             callback(study, storage.get_trial(t._trial_id), dead=True)
+
+
+def _never_claimed(storage, t: FrozenTrial) -> bool:
+    """A trial whose worker was killed between Optuna's ask() and naming itself: it has no worker to look up and
+    never had a heartbeat, which Optuna's stale check needs, so it stayed RUNNING for good — and a sweep whose
+    total counts it waited for it ("running elsewhere") forever. Failed once it is older than the heartbeat's grace
+    period (a live worker names itself within milliseconds of ask()); never with heartbeats off."""
+    rdb = getattr(storage, "_backend", storage)  # Optuna wraps the RDBStorage in a cache
+    interval = getattr(rdb, "heartbeat_interval", None)
+    if interval is None or "worker" in t.user_attrs or t.datetime_start is None:
+        return False
+    grace = getattr(rdb, "grace_period", None) or 2 * interval
+    return (datetime.now() - t.datetime_start).total_seconds() > grace
 
 
 def sampler_seed(sweep: SweepSpec, worker: int = 0, k: int = 0) -> int:
@@ -649,8 +663,8 @@ class AskTell:
             with warnings.catch_warnings():  # "Heartbeat ... supposed to be used with Study.optimize": written here
                 warnings.filterwarnings("ignore", message="Heartbeat of storage")
                 trial = self.study.ask()
+            self.heartbeats.add(trial)  # first: killed before naming its worker, the trial is still found stale
             trial.set_user_attr("worker", WORKER_ID)
-            self.heartbeats.add(trial)
             try:
                 _check_surplus(self.study, trial, self.total)
             except Surplus:

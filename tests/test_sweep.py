@@ -617,6 +617,22 @@ def test_a_configuration_whose_worker_dies_each_time_is_retried_heartbeat_retrie
     )
 
 
+def test_a_trial_whose_worker_was_killed_between_ask_and_naming_itself_is_failed_after_the_grace_period(tmp_path):
+    """No worker attribute and no heartbeat: Optuna's stale check never finds such a trial, and it stayed RUNNING for
+    good — a sweep whose total counted it waited for it ("running elsewhere") forever."""
+    from sweeps.study import fail_dead_workers, interrupted_numbers, make_storage, open_study
+
+    sweep = study_sweep(heartbeat={"interval": 1, "grace_period": 2})
+    study = open_study(sweep, make_storage(f"sqlite:///{tmp_path / 'optuna.db'}", sweep.heartbeat), 4)
+    study.ask()  # the worker died here
+    fail_dead_workers(study)
+    assert [t.state.name for t in study.trials] == ["RUNNING"]  # within the grace period: perhaps naming itself
+    time.sleep(2.5)
+    fail_dead_workers(study)
+    assert [t.state.name for t in study.trials] == ["FAIL"]  # failed: no longer one of the sweep's running trials
+    assert interrupted_numbers(study) == {0}  # noted as interrupted, not counted (it had no values yet to queue)
+
+
 # ── a worker killed mid-trial ──────────────────────────────────────────────────────────────────────
 
 
