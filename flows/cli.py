@@ -18,7 +18,7 @@ import subprocess
 import sys
 import warnings
 
-from flows.errors import UserError
+from flows.errors import UserError, input_error
 
 SET_HELP = "override a spec field, e.g. --set grpo.beta=0.1 (repeatable; the value is read as YAML)"
 
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return e.code
     except (FileNotFoundError, ValueError, RuntimeError) as e:
-        bad_input = _input_error(e)
+        bad_input = input_error(e)
         if bad_input is not None:  # a spec, file, checkpoint or user function the user gave (InputError)
             print("error: " + " ".join(str(bad_input).split()), file=sys.stderr)
             return 2
@@ -384,18 +384,6 @@ class Terminated(KeyboardInterrupt):
 
 def _terminated(signum, frame):
     raise Terminated()
-
-
-def _input_error(e: BaseException):
-    """The InputError (trainer/config.py) behind `e` — itself, or the cause a stage failed with — or None."""
-    from tasks.spec import InputError
-
-    seen = 0
-    while e is not None and seen < 8:
-        if isinstance(e, InputError):
-            return e
-        e, seen = getattr(e, "cause", None) or e.__cause__, seen + 1
-    return None
 
 
 if __name__ == "__main__":

@@ -614,7 +614,7 @@ def _probe_settings(args):
         except (ValueError, FileNotFoundError) as e:
             raise UserError(f"--prompts {args.prompts}: {e}") from None
     if args.device:
-        from trainer.locate import check_device
+        from tasks.spec import check_device
 
         check_device(args.device, "--device")
     model_cfg = spec.model if spec else None
@@ -646,20 +646,25 @@ def _check_target(target: str) -> None:
         )
 
 
-def cmd_compare(args) -> int:
-    if not 0 < args.alpha < 1:  # before anything loads
+def _check_compare_args(args) -> None:
+    """`ballast compare`'s arguments, before anything loads: a typo in A or B is found before A is probed."""
+    if not 0 < args.alpha < 1:
         raise UserError(f"--alpha {args.alpha}: give a significance level between 0 and 1, e.g. 0.01")
     _check_compare_tracking(args)  # a tracking server that is down: one line before torch and MLflow are imported
     _check_output_files(args, "json", "html")
     if args.plots and Path(args.plots).expanduser().is_file():
         raise UserError(f"--plots {args.plots}: is a file; give a folder to write the plots into")
-    for name, target in (("A", args.a), ("B", args.b)):  # a typo in either: before A is probed, before torch
+    for name, target in (("A", args.a), ("B", args.b)):
         named = target.startswith("s3://") or re.fullmatch(r"[0-9a-f]{32}", target)
         if not (named or Path(target).expanduser().exists()):
             raise UserError(
                 f"{name}: {target!r} is neither an existing probe report, checkpoint or run directory, an s3:// URI, "
                 "nor an MLflow run id (32 hex characters); check the path"
             )
+
+
+def cmd_compare(args) -> int:
+    _check_compare_args(args)
     from tasks.compare import compare, format_differences, plot_comparison, resolve_target, write_comparison_html
     from tasks.results import ProbeError
 

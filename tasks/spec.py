@@ -28,7 +28,7 @@ from trainer.data import SOURCES, check_data, jsonl_rows, locate_data_file
 from trainer.engines.offline import check_trajectories
 from trainer.environment import check_environment
 from trainer.health import tag_pattern
-from trainer.locate import check_device, check_model_source, vllm_python
+from trainer.locate import check_device, check_model_source, vllm_python  # check_device: probe --device
 from trainer.metrics import METRICS  # noqa: F401  (the glossary `ballast metrics` prints; imports no torch)
 from trainer.rewards import check_rewards
 

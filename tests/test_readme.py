@@ -121,7 +121,10 @@ def test_the_readme_does_not_say_the_node_stages_are_unbuilt():
 @pytest.mark.parametrize(
     "overrides, refused",
     [
-        (["rollout.engine=offline", "data.source=tests/offline_episodes.jsonl"], "rollout.engine: offline"),
+        (
+            ["rollout.engine=offline", "data.source=tests/offline_episodes.jsonl", "grpo.num_generations=2"],
+            "rollout.engine: offline",
+        ),
         (["grpo.kl_ref_step_lag=2", "grpo.beta=0.05"], "grpo.kl_ref_step_lag: 2"),
     ],
 )

@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 
+from flows.errors import input_error
+
 PREFECT_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
 SIGNAL_CRASHES = ("aborted by an interrupt signal.", "aborted by a termination signal.")  # Prefect's state messages
 
@@ -44,19 +46,6 @@ class _NoInterruptedTrials(logging.Filter):
         )
 
 
-def _input_error(e: BaseException | None) -> BaseException | None:
-    """The InputError `e` is or was raised from (a stage's StageError wraps the trainer's), else None."""
-    from trainer.config import InputError
-
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, InputError):
-            return e
-        seen.add(id(e))
-        e = e.__cause__
-    return None
-
-
 class _NoInputErrorTracebacks(logging.Filter):
     """Drops what Prefect logs about a task or flow that raised bad input (an InputError, whatever wraps it): 'Task
     run failed with exception' and 'Encountered exception during execution' with their tracebacks, and the 'Finished
@@ -67,7 +56,7 @@ class _NoInputErrorTracebacks(logging.Filter):
         self.said: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        bad = _input_error(record.exc_info[1]) if record.exc_info else None
+        bad = input_error(record.exc_info[1]) if record.exc_info else None
         if bad is not None:
             self.said.add(str(bad))
             return False
