@@ -452,8 +452,8 @@ MAX_CORNERS = 4096  # combinations of the dimensions' edge values checked togeth
 
 def _check_corners(sweep: SweepSpec, base: dict, where: str) -> None:
     """Every combination of the dimensions' edge values is a spec the fields' cross-checks accept (min_tokens at its
-    high edge beside max_tokens at its low one, a batch the ranks cannot split): each value alone passed, so without
-    this the first trial to draw such a pair failed, hours in. The spec's own checks only (pydantic): the data and
+    high edge beside max_tokens at its low one): each value alone passed, so without this the first trial to draw
+    such a pair failed, hours in. The spec's own checks only (pydantic): the data and
     the rewards were checked once with the base."""
     edges = [param.bounds() for param in sweep.space.values()]
     if len(edges) < 2 or math.prod(map(len, edges)) > MAX_CORNERS:

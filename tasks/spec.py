@@ -158,18 +158,6 @@ class TrackingConfig(Section):
         description="MLflow tracking URI; default sqlite under the project folder. postgresql://... for a team server.",
     )
 
-    @field_validator("uri")
-    @classmethod
-    def _tracking_scheme(cls, uri):
-        # an unknown scheme passed validate and failed inside the flow, after its process had started, exit 1
-        scheme = urlsplit(uri).scheme.lower() if isinstance(uri, str) else ""
-        if scheme.split("+")[0].removesuffix("-uc") not in TRACKING_SCHEMES:
-            raise ValueError(
-                f"{uri!r} has the scheme {scheme!r}, which MLflow does not track to; give sqlite:///path/mlflow.db, "
-                "postgresql://user@host/db, http(s)://server, a local folder, or leave it unset for the project's store"
-            )
-        return uri
-
     experiment: str = Field("ballast", description="MLflow experiment the runs go to (created on first use).")
     register_as: str | None = Field(
         None,
@@ -217,6 +205,18 @@ class TrackingConfig(Section):
         description="Backoff factor between those retries, whole "
         "seconds (MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR: waits of 0, 2x, 4x ... seconds).",
     )
+
+    @field_validator("uri")
+    @classmethod
+    def _tracking_scheme(cls, uri):
+        # an unknown scheme passed validate and failed inside the flow, after its process had started, exit 1
+        scheme = urlsplit(uri).scheme.lower() if isinstance(uri, str) else ""
+        if scheme.split("+")[0].removesuffix("-uc") not in TRACKING_SCHEMES:
+            raise ValueError(
+                f"{uri!r} has the scheme {scheme!r}, which MLflow does not track to; give sqlite:///path/mlflow.db, "
+                "postgresql://user@host/db, http(s)://server, a local folder, or leave it unset for the project's store"
+            )
+        return uri
 
 
 class StorageConfig(Section):
@@ -394,9 +394,7 @@ def validate_spec(data: dict, where: str = "spec", spec_dir: Path | None = None)
         if spec.data.eval_path is not None:
             spec.data.eval_path = locate_data_file(spec.data.eval_path, "data.eval_path", spec_dir)
         examples = check_data(spec.data)
-        if (
-            spec.probe.prompts_file is not None
-        ):  # read after training (and by `ballast probe --spec`): a typo cost the run
+        if spec.probe.prompts_file is not None:  # read after training, and by `ballast probe --spec`
             try:
                 spec.probe.prompts_file = locate_data_file(spec.probe.prompts_file, "probe.prompts_file", spec_dir)
             except FileNotFoundError:
