@@ -860,16 +860,16 @@ def _promote(args) -> int:
     from flows import runtime
     from flows.promote import pick_trial, promoted_spec
     from sweeps.space import SweepError, load_sweep
-    from sweeps.study import join_study, make_storage, study_storage
+    from sweeps.study import join_study, make_storage, redact_url, study_storage
 
     named = load_sweep(args.file, list(args.set))  # a sweep run with --set project_dir=... keeps its study there
     url = study_storage(named, args.storage)
     try:
         study, sweep = join_study(named.study_name, make_storage(url))
     except SweepError as e:
-        where = url.split("@")[-1] if "@" in url else url  # no user name, no password
-        raise SweepError(f"--promote: {e} (looked in {where}; give --storage, or the --set project_dir the sweep ran "
-                         "with)") from None  # fmt: skip
+        raise SweepError(
+            f"--promote: {e} (looked in {redact_url(url)}; give --storage, or the --set project_dir the sweep ran with)"
+        ) from None
     promoted_spec(sweep, study, pick_trial(study, args.promote), args.cont, list(args.set))  # refused here, in seconds
     runtime.prestart(sweep.base.get("project_dir", ".ballast"))
     from flows.promote import promote
