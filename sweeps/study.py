@@ -67,6 +67,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 INTERRUPTED_ATTR = "ballast.interrupted."  # study user attrs `ballast.interrupted.<trial>`: why it was interrupted
 STOPPED = "stopped by Ctrl-C or SIGTERM mid-trial; failed, not counted, its configuration queued to run again"
 RETRY_ATTR = "ballast.retry_of"  # trial user attr: the numbers of the interrupted attempts it runs again
+POLL_S = 5.0  # how often a worker waiting for trials running elsewhere looks again (at most; a shorter heartbeat: that)
 
 
 @contextmanager
@@ -220,12 +221,17 @@ def fail_dead_workers(study: optuna.Study) -> None:
             callback(study, storage.get_trial(t._trial_id), dead=True)
 
 
+def _rdb(storage):
+    """The RDBStorage under Optuna's cache wrapper (`_CachedStorage`, which exposes none of its settings)."""
+    return getattr(storage, "_backend", storage)
+
+
 def _never_claimed(storage, t: FrozenTrial) -> bool:
     """A trial whose worker was killed between Optuna's ask() and naming itself: it has no worker to look up and
     never had a heartbeat, which Optuna's stale check needs, so it stayed RUNNING for good — and a sweep whose
     total counts it waited for it ("running elsewhere") forever. Failed once it is older than the heartbeat's grace
     period (a live worker names itself within milliseconds of ask()); never with heartbeats off."""
-    rdb = getattr(storage, "_backend", storage)  # Optuna wraps the RDBStorage in a cache
+    rdb = _rdb(storage)
     interval = getattr(rdb, "heartbeat_interval", None)
     if interval is None or "worker" in t.user_attrs or t.datetime_start is None:
         return False
@@ -536,10 +542,17 @@ def optimize(
     return _until_done(study, total, deadline, poll_s, log, report, run_some)
 
 
+def poll_interval(study: optuna.Study) -> float:
+    """Seconds between a waiting worker's looks at the study: POLL_S, or the heartbeat's interval where that is
+    shorter (a dead worker shows within a heartbeat)."""
+    interval = getattr(_rdb(study._storage), "heartbeat_interval", None)
+    return float(min(interval or POLL_S, POLL_S))
+
+
 def _until_done(study, total: int, deadline, poll_s, log, report: RunnerReport, run_some) -> RunnerReport:
     """Call `run_some()` while the study lacks its total and the budget lasts; while the rest of the total is running
     elsewhere, wait for it (it may still fail and leave room). Trials whose worker went silent are failed first."""
-    poll = poll_s or float(getattr(study._storage, "heartbeat_interval", None) or 5)
+    poll = poll_s or poll_interval(study)
     waiting_said = False
     while True:
         fail_dead_workers(study)

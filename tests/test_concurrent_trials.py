@@ -11,11 +11,13 @@ A pruned trial leaves and the next takes its slot; the others are unmoved.
 import json
 import math
 import os
+import shutil
 import signal
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from tests.conftest import perturb_lora, tiny_spec
 from tests.test_trainer import adapter_weights, deterministic, read_jsonl
@@ -156,6 +158,27 @@ def test_a_pruned_trial_leaves_its_slot_and_the_others_are_unmoved(tiny_model, t
     assert outcomes["a"].result.last_step == 1
     assert_same_run(tmp_path / "a", alone["a"], 1, exact=True)  # its one step is still a lone run's first
     for name in ("b", "c"):
+        assert_same_run(tmp_path / name, alone[name], TRIALS[name]["optim"]["steps"], exact=False)
+
+
+def test_a_trial_whose_rows_fail_to_sample_ends_failed_and_the_others_are_unmoved(tiny_model, tmp_path, alone):
+    """Its adapter's weights are NaN (a trial started from a broken adapter), so its rows in the shared rollout call
+    fail to sample. That trial alone ends failed at its first step; the call is sampled again a trial at a time, and
+    the trials beside it train as they would alone. (One trial's failure in the shared call ended every trial.)"""
+    broken = tmp_path / "broken-adapter"
+    shutil.copytree(alone["a"] / "checkpoints" / "step-000001" / "adapter", broken)
+    weights = load_file(broken / "adapter_model.safetensors")
+    save_file({k: torch.full_like(v, math.nan) for k, v in weights.items()}, broken / "adapter_model.safetensors")
+    jobs = [
+        TrialJob(name, trial_cfg(tiny_model, name), tmp_path / name, init_adapter=broken if name == "a" else None)
+        for name in TRIALS
+    ]
+    outcomes = {o.job.name: o for o in ConcurrentTrials(slots=2).run(jobs)}
+    assert list(outcomes) == ["a", "c", "b"]  # a leaves at its first step and c takes its slot
+    assert outcomes["a"].result.stopped == "failed: RuntimeError" and outcomes["a"].result.last_step == 0
+    assert "probability tensor contains" in str(outcomes["a"].error)
+    for name in ("b", "c"):
+        assert outcomes[name].error is None and outcomes[name].result.stopped is None
         assert_same_run(tmp_path / name, alone[name], TRIALS[name]["optim"]["steps"], exact=False)
 
 

@@ -633,6 +633,18 @@ def test_a_trial_whose_worker_was_killed_between_ask_and_naming_itself_is_failed
     assert interrupted_numbers(study) == {0}  # noted as interrupted, not counted (it had no values yet to queue)
 
 
+def test_a_waiting_worker_looks_again_within_a_short_heartbeat_and_at_most_every_five_seconds(tmp_path):
+    """The poll read the interval off Optuna's cache wrapper, which has none, so it was always 5 s."""
+    from sweeps.study import make_storage, open_study, poll_interval
+
+    intervals = []
+    for name, heartbeat in (("short", {"interval": 1}), ("long", {"interval": 30})):
+        sweep = study_sweep(heartbeat=heartbeat)
+        study = open_study(sweep, make_storage(f"sqlite:///{tmp_path / name}.db", sweep.heartbeat), 4)
+        intervals.append(poll_interval(study))
+    assert intervals == [1.0, 5.0]
+
+
 # ── a worker killed mid-trial ──────────────────────────────────────────────────────────────────────
 
 

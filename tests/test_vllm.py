@@ -485,7 +485,9 @@ def test_concurrent_trials_share_one_vllm_server_and_each_trains_as_it_would_alo
     --max-loras 2: every round both trials' adapters are served together and their requests go at once. Each trial
     samples the same tokens and gets the same rewards as alone (on the module's server); its metrics and final
     adapter agree within the CPU tolerance of tests/test_concurrent_trials.py (the engine's logprobs reach them
-    through the rollout correction, and two servers' kernels round a batch's rows in their own way)."""
+    through the rollout correction, and two servers' kernels round a batch's rows in their own way). A fourth, x,
+    takes the slot a leaves, and its adapter is lost from the server as it loads (tests/vllm_faults.py): its
+    served-policy check fails its first step, and x alone ends failed (it once ended c beside it too)."""
     from tests.test_concurrent_trials import assert_same_run
     from trainer.multi import ConcurrentTrials, TrialJob
 
@@ -499,16 +501,20 @@ def test_concurrent_trials_share_one_vllm_server_and_each_trains_as_it_would_alo
     ended = []
 
     def on_end(outcome, trainer):
-        assert outcome.error is None, outcome.error
+        assert outcome.error is None or outcome.job.name == "x", outcome.error
         ended.append(outcome.job.name)
 
-    jobs = (TrialJob(n, concurrent_trial_cfg(tiny_model, n), tmp_path / n, [watches[n]]) for n in names)
+    jobs = [TrialJob(n, concurrent_trial_cfg(tiny_model, n), tmp_path / n, [watches[n]]) for n in names]
+    jobs.append(TrialJob("x", concurrent_trial_cfg(tiny_model, "a"), tmp_path / "x"))
     with ConcurrentTrials(slots=2, max_lora_rank=16) as runner:
         original_start = runner._start
 
         def start(job):
             trial = original_start(job)
-            watches[job.name].trainer = trial.trainer
+            if job.name == "x":
+                trial.trainer.engine.__class__ = DroppedAdapter  # the fault: its adapter unloaded as it loads
+            else:
+                watches[job.name].trainer = trial.trainer
             return trial
 
         runner._start = start
@@ -519,7 +525,9 @@ def test_concurrent_trials_share_one_vllm_server_and_each_trains_as_it_would_alo
         assert "--max-loras 2 " in log and "--max-lora-rank 16 " in log
     assert server.process.poll() is not None  # and stopped with it
 
-    assert ended == ["b", "a", "c"] and all(o.result.stopped is None for o in outcomes)
+    assert ended == ["b", "a", "c", "x"] and all(o.result.stopped is None for o in outcomes[:3])
+    assert outcomes[3].result.stopped == "failed: ServedPolicyError" and outcomes[3].result.last_step == 0
+    assert "missing adapter" in str(outcomes[3].error)
     # while two trials ran, the server served both their adapters at each step (one version each)
     assert [len([n for n in seen if n.startswith("ballast-")]) for seen in watches["a"].seen] == [2, 2, 2]
     for name in names:  # the same prompts, tokens and rewards; metrics and final adapter within the tolerance

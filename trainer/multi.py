@@ -29,7 +29,8 @@ choices, on purpose:
   weights trainable), its loss, backward and optimizer step. The KL reference is the base model with adapters
   disabled: one for all.
 - **Slots.** A trial that finishes, collapses (its health gate), is pruned (a callback's `should_stop`) or fails
-  leaves at the end of its step: `on_end` is called with its adapter still active (evaluate it, record it), its
+  (its step, or its part of the round's rollouts: a shared call that fails is sampled again a trial at a time to
+  find whose rows fail, which draws the same tokens) leaves at the end of its step: `on_end` is called with its adapter still active (evaluate it, record it), its
   adapter is deleted, and the next job takes the slot before the next round. The others go on.
 - **Equal to a lone run**: tests/test_concurrent_trials.py runs trials together and each alone; per-step metrics
   (timings aside) and final adapters are bit-identical on CPU in float32 (the adapter's matmuls run on the trial's
@@ -259,7 +260,11 @@ class ConcurrentTrials:
                 t0 = time.perf_counter()
                 batches = self._sample(running)
                 for trial in list(running):
-                    ended = self._train_step(trial, batches[trial.adapter], t0, safe_point)
+                    batch = batches[trial.adapter]
+                    if isinstance(batch, Exception):  # its rollouts failed: it ends, the others step
+                        ended = {"stopped": f"failed: {type(batch).__name__}", "error": batch}
+                    else:
+                        ended = self._train_step(trial, batch, t0, safe_point)
                     if ended is not None:
                         self._end(trial, running, outcomes, on_end, **ended)
                 if not safe_point.received:  # after a signal no trial starts; each running one stops at its next
@@ -378,44 +383,93 @@ class ConcurrentTrials:
         finally:
             trial.rng = _rng_state()
 
-    def _sample(self, running: list[_Trial]) -> dict[str, RolloutBatch]:
+    def _sample(self, running: list[_Trial]) -> dict[str, RolloutBatch | Exception]:
         """Every running trial's batch for its next step, in one engine call per rollout.max_tokens (the KV cache's
-        length is the call's: a lone run's, so); each trial's rows drawn with its own settings and seeds."""
+        length is the call's: a lone run's, so); each trial's rows drawn with its own settings and seeds. A trial
+        whose part fails (its schedule, prompts, adapter push or rows) gets its exception instead of a batch, and
+        the others their batches: a shared call that fails is sampled again a trial at a time, which draws the same
+        tokens (each prompt's rows come from its own generator), to find whose rows fail. Bad input (InputError)
+        is every trial's and is raised."""
         calls: dict[int, list[tuple]] = {}
         served: list[tuple] = []
+        failed: dict[str, RolloutBatch | Exception] = {}
         for trial in running:
             step = trial.trainer.step + 1
-            trial.trainer.begin_step(step)  # its schedule's values for the step (grpo.schedule, a population's)
-            indices, prompts, params = trial.trainer.rollouts.request(step)
+            try:
+                trial.trainer.begin_step(step)  # its schedule's values for the step (grpo.schedule, a population's)
+                indices, prompts, params = trial.trainer.rollouts.request(step)
+            except InputError:
+                raise
+            except Exception as e:  # noqa: BLE001 — this trial's rollouts failed; the others go on
+                failed[trial.adapter] = e
+                continue
             member = (trial, step, indices, prompts, params)
             if trial.trainer.engine is self.shared.engine:
                 calls.setdefault(params.max_tokens, []).append(member)
             else:
                 served.append(member)
-        batches = self._sample_served(served) if served else {}
+        batches = {**failed, **(self._sample_served(served) if served else {})}
         for members in calls.values():
-            started = time.perf_counter()
-            requests = [(prompts, params, [trial.adapter] * len(prompts)) for trial, _, _, prompts, params in members]
-            if len(members) == 1:  # one adapter: the plain forward, not peft's per-row one (a gather per layer)
-                self.shared.model.set_adapter(members[0][0].adapter)
-                requests = [(prompts, params, None) for prompts, params, _ in requests]
-            completions = self.shared.engine.generate_many(requests)
-            batches.update(_batches(members, completions, time.perf_counter() - started))
+            try:
+                batches.update(self._sample_shared(members))
+            except InputError:
+                raise
+            except Exception as e:  # noqa: BLE001 — whose rows failed: each trial's alone
+                if len(members) == 1:
+                    batches[members[0][0].adapter] = e
+                    continue
+                for member in members:
+                    try:
+                        batches.update(self._sample_shared([member]))
+                    except InputError:
+                        raise
+                    except Exception as alone:  # noqa: BLE001
+                        batches[member[0].adapter] = alone
         return batches
 
-    def _sample_served(self, members: list[tuple]) -> dict[str, RolloutBatch]:
-        """The vllm trials' batches: each pushes its adapter (and proves it served), then all requests go to the shared
-        server at once, so its scheduler batches the trials' rows together (up to --max-loras adapters a batch)."""
-        for trial, step, _, _, _ in members:
-            with self._active(trial):
-                trial.trainer.engine.sync_weights(self.shared.model, step)  # version step - 1, as a lone run pushes
+    def _sample_shared(self, members: list[tuple]) -> dict[str, RolloutBatch]:
+        """The batches of trials on the shared HF engine with one rollout.max_tokens, in one engine call."""
         started = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=len(members), thread_name_prefix="ballast-trial-rollouts") as pool:
+        requests = [(prompts, params, [trial.adapter] * len(prompts)) for trial, _, _, prompts, params in members]
+        if len(members) == 1:  # one adapter: the plain forward, not peft's per-row one (a gather per layer)
+            self.shared.model.set_adapter(members[0][0].adapter)
+            requests = [(prompts, params, None) for prompts, params, _ in requests]
+        completions = self.shared.engine.generate_many(requests)
+        return _batches(members, completions, time.perf_counter() - started)
+
+    def _sample_served(self, members: list[tuple]) -> dict[str, RolloutBatch | Exception]:
+        """The vllm trials' batches: each pushes its adapter (and proves it served), then all requests go to the shared
+        server at once, so its scheduler batches the trials' rows together (up to --max-loras adapters a batch). A
+        trial whose push or requests fail gets its exception."""
+        batches: dict[str, RolloutBatch | Exception] = {}
+        pushed = []
+        for member in members:
+            trial, step = member[0], member[1]
+            try:
+                with self._active(trial):
+                    trial.trainer.engine.sync_weights(self.shared.model, step)  # version step - 1, as a lone run's
+            except InputError:
+                raise
+            except Exception as e:  # noqa: BLE001 — this trial's adapter is not served; the others go on
+                batches[trial.adapter] = e
+                continue
+            pushed.append(member)
+        started = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=max(1, len(pushed)), thread_name_prefix="ballast-trial-rollouts") as pool:
             futures = [
-                pool.submit(trial.trainer.engine.generate, prompts, params) for trial, _, _, prompts, params in members
+                pool.submit(trial.trainer.engine.generate, prompts, params) for trial, _, _, prompts, params in pushed
             ]
-            groups = [f.result() for f in futures]
-        return _batches(members, groups, time.perf_counter() - started)
+            groups = []
+            for member, future in zip(pushed, futures):
+                try:
+                    groups.append((member, future.result()))
+                except InputError:
+                    raise
+                except Exception as e:  # noqa: BLE001
+                    batches[member[0].adapter] = e
+        generate_s = time.perf_counter() - started
+        batches.update(_batches([m for m, _ in groups], [g for _, g in groups], generate_s))
+        return batches
 
 
 def _batches(members: list[tuple], groups: list, generate_s: float) -> dict[str, RolloutBatch]:
