@@ -192,6 +192,9 @@ class Population(ConcurrentTrials):
         Returns the members that collapsed (health gate, or a step that failed as training does: TrainingError)."""
         t0 = time.perf_counter()
         batches = self._sample([m.trial for m in self.members])
+        failed = [b for b in batches.values() if isinstance(b, Exception)]
+        if failed:  # a member's rollouts failed: the population's run fails with it, its last save kept
+            raise failed[0]
         collapsed = set()
         for m in self.members:
             t = m.trial.trainer
