@@ -30,8 +30,9 @@ choices, on purpose:
   disabled: one for all.
 - **Slots.** A trial that finishes, collapses (its health gate), is pruned (a callback's `should_stop`) or fails
   (its step, or its part of the round's rollouts: a shared call that fails is sampled again a trial at a time to
-  find whose rows fail, which draws the same tokens) leaves at the end of its step: `on_end` is called with its adapter still active (evaluate it, record it), its
-  adapter is deleted, and the next job takes the slot before the next round. The others go on.
+  find whose rows fail, which draws the same tokens) leaves at the end of its step: `on_end` is called with its
+  adapter still active (evaluate it, record it), its adapter is deleted, and the next job takes the slot before the
+  next round. The others go on.
 - **Equal to a lone run**: tests/test_concurrent_trials.py runs trials together and each alone; per-step metrics
   (timings aside) and final adapters are bit-identical on CPU in float32 (the adapter's matmuls run on the trial's
   own rows; the base model's on all rows, which on CPU gives each row the same bits).
