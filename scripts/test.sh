@@ -8,8 +8,9 @@ cd "$(dirname "$0")/.."
 # Test files at a time: one per core for the unit tier (all CPU), one more than the cores for the whole suite, whose
 # tests spend a quarter of their time waiting (servers starting, a process polled, a signal's safe point): 3 files at
 # a time on 2 cores ran `bash .ci/run` in 24 min 11 s against 28 min 26 s with 2 (measured 2026-11-29 on an idle 2-core
-# machine, fresh clones, every test passing, CPU 169 % of 200 against 75 %). BALLAST_TEST_WORKERS sets it (0: one file
-# at a time, in this process).
+# machine, fresh clones, every test passing, CPU 169 % of 200 against 75 %), and in 22 min 58 s against 23 min 46 s
+# with 4 (2026-12-07, the same conditions: 4 left no core idle, and the suite was slower). BALLAST_TEST_WORKERS sets
+# it (0: one file at a time, in this process).
 cores=$(nproc)
 if [[ "${1:-}" == "--fast" ]]; then workers="${BALLAST_TEST_WORKERS:-$cores}"; else workers="${BALLAST_TEST_WORKERS:-$(( cores + 1 ))}"; fi
 # Each worker, and every process a test starts (the CLI, ranks, nodes), gets its share of the cores as torch's thread
