@@ -40,7 +40,24 @@ from optuna.study import StudyDirection
 
 CLAIM_ATTR = "ballast.claim."
 LOCK_INFIX = ".ballast-claim."  # a lock study's name: <study><LOCK_INFIX><step>.<round>
-WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"  # trial user attr `worker`: who ran it
+INITIAL_PID_NAMESPACE = "4026531836"  # the kernel's own (PROC_PID_INIT_INO): a process not in a container
+
+
+def _host() -> str:
+    """This process's machine as a worker id names it: the host name, and the process-id namespace where that is not
+    the kernel's own. Containers that share a host name (docker --network host) number their processes each in its
+    own namespace, and a pid is looked up only in one's own: without it, a worker in one such container took a live
+    worker in another for dead (its pid absent here) and failed its trials."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid").partition("[")[2].rstrip("]")
+    except OSError:  # not Linux: pids are the machine's
+        namespace = INITIAL_PID_NAMESPACE
+    host = socket.gethostname()
+    return host if namespace in ("", INITIAL_PID_NAMESPACE) else f"{host}/{namespace}"
+
+
+HOST = _host()
+WORKER_ID = f"{HOST}:{os.getpid()}"  # trial user attr `worker`: who ran it
 
 
 def run_once(
@@ -186,11 +203,12 @@ class _Watch:
 
 
 def gone_here(worker: str) -> bool:
-    """Whether a worker id ("host:pid", a claim's "host:pid:nonce") is of a process of this machine that is gone
-    (SIGKILL, a crash); False for this process, another machine's or one that cannot be told."""
+    """Whether a worker id ("host:pid", a claim's "host:pid:nonce"; host with "/<pid namespace>" in a container) is
+    of a process of this machine and pid namespace that is gone (SIGKILL, a crash); False for this process, another
+    machine's or namespace's, or one that cannot be told."""
     host, _, rest = worker.partition(":")
     pid = rest.split(":")[0]
-    if host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
+    if host != HOST or not pid.isdigit() or int(pid) == os.getpid():
         return False
     try:
         os.kill(int(pid), 0)

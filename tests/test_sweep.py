@@ -595,8 +595,7 @@ def test_workers_that_ended_before_the_deadline_did_not_time_out(tmp_path, prefe
 def test_a_configuration_whose_worker_dies_each_time_is_retried_heartbeat_retries_times(tmp_path, capsys):
     """A configuration that gets its worker killed (the OOM killer) on every attempt: re-queued `heartbeat.retries`
     times, then left failed with a line saying so — it ran first on every resume, and the sweep never got past it."""
-    import socket
-
+    from sweeps.once import HOST
     from sweeps.space import suggest
     from sweeps.study import fail_dead_workers, make_storage, open_study
 
@@ -607,7 +606,7 @@ def test_a_configuration_whose_worker_dies_each_time_is_retried_heartbeat_retrie
     for _ in range(4):
         trial = study.ask()
         configurations.append(suggest(trial, sweep.space)["optim.learning_rate"])
-        trial.set_user_attr("worker", f"{socket.gethostname()}:{dead.stdout.strip()}")
+        trial.set_user_attr("worker", f"{HOST}:{dead.stdout.strip()}")
         fail_dead_workers(study)
     states = [t.state.name for t in study.trials]
     assert states == ["FAIL"] * 4 + ["WAITING"] and configurations[:3] == [configurations[0]] * 3

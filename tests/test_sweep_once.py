@@ -14,8 +14,8 @@ import time
 import optuna
 import pytest
 
-from sweeps.once import CLAIM_ATTR, _lock, delete_locks, in_progress, run_once
-from tests.conftest import postgres_database
+from sweeps.once import CLAIM_ATTR, HOST, _lock, delete_locks, gone_here, in_progress, run_once
+from tests.conftest import REPO, postgres_database
 
 FAST = {"beat_s": 0.2, "stale_s": 1.5, "poll_s": 0.1}
 
@@ -119,12 +119,34 @@ def test_the_claim_of_a_killed_process_of_this_machine_is_taken_over_at_once(tmp
     url = f"sqlite:///{tmp_path / 'optuna.db'}"
     study = optuna.create_study(study_name="s", storage=url)
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    study.set_user_attr(CLAIM_ATTR + "step", {"owner": f"{socket.gethostname()}:{gone.stdout.strip()}:ab", "beat": 3})
+    study.set_user_attr(CLAIM_ATTR + "step", {"owner": f"{HOST}:{gone.stdout.strip()}:ab", "beat": 3})
     said, started = [], time.monotonic()
     did = run_once(study, "step", lambda: said.append("worked"), say=said.append, **(FAST | {"stale_s": 60}))
     assert did and "worked" in said and time.monotonic() - started < 5  # not the 60 s a silent claim waits
     assert said[0].endswith("stopped without finishing it; taking it over")
     assert study.user_attrs[CLAIM_ATTR + "step"]["finished"] is True
+
+
+def test_a_live_worker_in_another_pid_namespace_of_this_host_is_not_taken_for_dead(tmp_path):
+    """Containers that share a host name (docker --network host) number their processes each in its own pid
+    namespace: a worker's pid there is absent here, and was read as a process of this machine that is gone — its
+    claim taken over and its trials failed while it ran. Its id now names its namespace: not one this process can
+    look into, so only its heartbeat tells."""
+    script = "from sweeps.once import WORKER_ID; print(WORKER_ID, flush=True); import time; time.sleep(60)"
+    other = subprocess.Popen(  # the next pid in a new namespace is one this namespace cannot have (> pid_max)
+        ["unshare", "--pid", "--fork", "sh", "-c", f"echo 49999 > /proc/sys/kernel/ns_last_pid && "
+         f"{sys.executable} -c '{script}'"],
+        stdout=subprocess.PIPE, text=True, cwd=REPO,
+    )  # fmt: skip
+    try:
+        worker = other.stdout.readline().strip()
+        host, pid = worker.rsplit(":", 1)
+        assert host.startswith(socket.gethostname() + "/") and host != HOST, worker  # the namespace, named
+        assert not os.path.exists(f"/proc/{pid}")  # its pid is none of this namespace's: the old rule said "gone"
+        assert not gone_here(worker) and not gone_here(f"{worker}:ab")
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_a_claim_whose_beat_stands_still_is_taken_over_after_stale_s(tmp_path):
