@@ -393,40 +393,36 @@ class ConcurrentTrials:
         is every trial's and is raised."""
         calls: dict[int, list[tuple]] = {}
         served: list[tuple] = []
-        failed: dict[str, RolloutBatch | Exception] = {}
+        batches: dict[str, RolloutBatch | Exception] = {}
         for trial in running:
             step = trial.trainer.step + 1
-            try:
-                trial.trainer.begin_step(step)  # its schedule's values for the step (grpo.schedule, a population's)
-                indices, prompts, params = trial.trainer.rollouts.request(step)
-            except InputError:
-                raise
-            except Exception as e:  # noqa: BLE001 — this trial's rollouts failed; the others go on
-                failed[trial.adapter] = e
+            request = _own(self._request, trial, step)
+            if isinstance(request, Exception):
+                batches[trial.adapter] = request
                 continue
-            member = (trial, step, indices, prompts, params)
+            member = (trial, step, *request)
             if trial.trainer.engine is self.shared.engine:
-                calls.setdefault(params.max_tokens, []).append(member)
+                calls.setdefault(request[2].max_tokens, []).append(member)
             else:
                 served.append(member)
-        batches = {**failed, **(self._sample_served(served) if served else {})}
+        if served:
+            batches.update(self._sample_served(served))
         for members in calls.values():
-            try:
-                batches.update(self._sample_shared(members))
-            except InputError:
-                raise
-            except Exception as e:  # noqa: BLE001 — whose rows failed: each trial's alone
-                if len(members) == 1:
-                    batches[members[0][0].adapter] = e
-                    continue
+            together = _own(self._sample_shared, members)
+            if not isinstance(together, Exception):
+                batches.update(together)
+            elif len(members) == 1:
+                batches[members[0][0].adapter] = together
+            else:  # whose rows failed: each trial's alone
                 for member in members:
-                    try:
-                        batches.update(self._sample_shared([member]))
-                    except InputError:
-                        raise
-                    except Exception as alone:  # noqa: BLE001
-                        batches[member[0].adapter] = alone
+                    alone = _own(self._sample_shared, [member])
+                    batches.update(alone if isinstance(alone, dict) else {member[0].adapter: alone})
         return batches
+
+    @staticmethod
+    def _request(trial: _Trial, step: int) -> tuple:
+        trial.trainer.begin_step(step)  # its schedule's values for the step (grpo.schedule, a population's)
+        return trial.trainer.rollouts.request(step)
 
     def _sample_shared(self, members: list[tuple]) -> dict[str, RolloutBatch]:
         """The batches of trials on the shared HF engine with one rollout.max_tokens, in one engine call."""
@@ -446,31 +442,34 @@ class ConcurrentTrials:
         pushed = []
         for member in members:
             trial, step = member[0], member[1]
-            try:
-                with self._active(trial):
-                    trial.trainer.engine.sync_weights(self.shared.model, step)  # version step - 1, as a lone run's
-            except InputError:
-                raise
-            except Exception as e:  # noqa: BLE001 — this trial's adapter is not served; the others go on
-                batches[trial.adapter] = e
-                continue
-            pushed.append(member)
+            with self._active(trial):  # version step - 1, as a lone run pushes
+                pushing = _own(trial.trainer.engine.sync_weights, self.shared.model, step)
+            if isinstance(pushing, Exception):  # its adapter is not served; the others go on
+                batches[trial.adapter] = pushing
+            else:
+                pushed.append(member)
         started = time.perf_counter()
         with ThreadPoolExecutor(max_workers=max(1, len(pushed)), thread_name_prefix="ballast-trial-rollouts") as pool:
             futures = [
                 pool.submit(trial.trainer.engine.generate, prompts, params) for trial, _, _, prompts, params in pushed
             ]
-            groups = []
-            for member, future in zip(pushed, futures):
-                try:
-                    groups.append((member, future.result()))
-                except InputError:
-                    raise
-                except Exception as e:  # noqa: BLE001
-                    batches[member[0].adapter] = e
+            groups = [(member, _own(future.result)) for member, future in zip(pushed, futures)]
         generate_s = time.perf_counter() - started
-        batches.update(_batches([m for m, _ in groups], [g for _, g in groups], generate_s))
+        batches.update({m[0].adapter: g for m, g in groups if isinstance(g, Exception)})
+        done = [(m, g) for m, g in groups if not isinstance(g, Exception)]
+        batches.update(_batches([m for m, _ in done], [g for _, g in done], generate_s))
         return batches
+
+
+def _own(fn: Callable, *args):
+    """fn(*args), or the exception it raised: one trial's failure, which ends that trial alone. Bad input
+    (InputError) is every trial's: raised."""
+    try:
+        return fn(*args)
+    except InputError:
+        raise
+    except Exception as e:  # noqa: BLE001 — this trial failed; the others go on
+        return e
 
 
 def _batches(members: list[tuple], groups: list, generate_s: float) -> dict[str, RolloutBatch]:
