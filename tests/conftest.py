@@ -217,6 +217,16 @@ def pytest_collection_modifyitems(config, items):
     _longest_first(items)
 
 
+def pytest_runtest_setup(item):
+    """Prefect sets up its console log handler when its flow API is first imported, on the sys.stderr of that
+    moment: first imported in a test that asks for capsys, the handler kept that test's capture after it closed, and
+    every later test of the process whose code logged through Prefect failed (a closed file, then a RecursionError
+    from Prefect's log_prints). Such a test's setup, ahead of capsys, imports it under pytest's own capture, which
+    lives as long as the process."""
+    if "capsys" in getattr(item, "fixturenames", ()):
+        import prefect.main  # noqa: F401 — sets up Prefect's logging on import
+
+
 # ── the order the files run in ────────────────────────────────────────────────────────────────────
 # Two workers take whole files (--dist loadfile) as they free up, so a long file taken last leaves the other worker
 # idle to the end. tests/test_costs.json holds each file's seconds (setup, call and teardown of its tests) as
