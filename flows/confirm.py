@@ -83,9 +83,7 @@ def _confirm(study, sweep: SweepSpec, recorder: SweepRecorder, say) -> Confirmat
     result = confirm(study, sweep, load_baseline(study), split, judge.score, judge.retrain, log=say)
     if result is None:
         return None
-    for line in verdict_lines(result):
-        say(line)
-    record_confirmation(recorder, result)
+    record_confirmation(recorder, result)  # the verdict's lines: the sweep's summary, printed next (once)
     return result
 
 

@@ -91,10 +91,15 @@ class ComputeTotal:
             return f"~${self.cost_usd:.2f} for the priced nodes, price unknown for {self.unpriced}"
         return f"~${self.cost_usd:.2f}"
 
+    @property
+    def overlapped(self) -> bool:
+        """Trials ran at once (concurrent trials, or several workers): their minutes add up to more than the wall's."""
+        return 0 < self.span_s < 0.9 * self.trial_s
+
     def line(self) -> str:
         """'compute: trials ran 5.2 min in all; 2 nodes provisioned in 3 s, ran 301 s, 0 restarts, ~$1.20'."""
         head = f"compute: trials ran {self.trial_s / 60:.1f} min in all"
-        if 0 < self.span_s < 0.9 * self.trial_s:  # concurrent trials, or several workers
+        if self.overlapped:
             head += f", {self.span_s / 60:.1f} min from the first start to the last end (they overlapped)"
         if not self.nodes:
             return head
@@ -296,8 +301,10 @@ class SweepSummary:
             out += confirmed
         elif line := self.verdict_line():
             out.append(line)
-        if self.best:
-            out.append(f"  with {format_values(self.best['params'])} (MLflow run {self.best['mlflow_run_id']})")
+        if self.best:  # after the verdict's footnote (a confirmation's last line): named, not '  with ...'
+            b = self.best
+            settings = format_values(b["params"])
+            out.append(f"trial {b['number']}'s settings: {settings} (MLflow run {b['mlflow_run_id']})")
         for row in self.pareto:
             out.append(
                 f"Pareto: trial {row['number']} {format_values(row['values'])} with {format_values(row['params'])}"
@@ -305,7 +312,8 @@ class SweepSummary:
         if not self.n_complete:
             out.append("no trial completed: every trial was pruned or failed — read the prune reasons in the summary")
         out.append(self.pruning_line())
-        out.append(self.compute.line())
+        if self.compute.nodes or self.compute.overlapped:  # else the cost line's 'trials' minutes say it all
+            out.append(self.compute.line())
         if line := self.cost_line():
             out.append(line)
         out += [f"summary:     {self.html}", f"dashboard:   {self.dashboard}"]

@@ -65,6 +65,7 @@ def test_the_verdict_is_made_on_the_confirmation_prompts_with_the_selection_scor
         assert cand.selection["score"] == pytest.approx(study.trials[cand.number].user_attrs["score"])
     assert c.winner in {0, 1}
     assert "best on confirmation: trial " in out and "on 4 prompts the search never saw" in out
+    assert out.count("best on confirmation: trial ") == 1  # said by the summary, not first by the confirmation too
     assert "on the selection prompts it scored" in out
     assert "± is a 95 % interval simultaneous over the 2 trials compared" in out
     assert ("beats the base model" in out) or ("no trial beat the base model" in out)

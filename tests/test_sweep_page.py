@@ -59,6 +59,11 @@ def test_the_summary_lines_say_what_the_verdict_rests_on(confirmed_page):
     assert any(line.startswith("kept: ") and "survived confirmation and 3 seeds" in line for line in lines)
     assert any(line.startswith("± is a 95 % interval simultaneous over the 3 trials") for line in lines)
     assert s.best["number"] == 4
+    # the claimed trial's settings follow the verdict's footnote: named, not an indented '  with ...' that read as
+    # the footnote's; no compute line repeating the cost line's minutes (no nodes, the trials one after another)
+    settings = next(line for line in lines if "'s settings: " in line)
+    assert settings.startswith("trial 4's settings: ") and "(MLflow run " in settings
+    assert not any(line.startswith(("  with ", "compute: ")) for line in lines)
 
 
 def test_every_plot_is_shown_at_most_at_its_own_size_and_a_narrow_one_beside_another(confirmed_page):
