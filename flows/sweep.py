@@ -87,7 +87,8 @@ def ensure_baseline(study, sweep, recorder: SweepRecorder, label: str = "") -> B
         baseline = baseline_task(sweep, recorder)
         study.set_user_attr(BASELINE_ATTR, baseline.to_json())
         recorder.record_baseline(baseline)
-        say(f"{baseline_line(baseline, sweep)} ({baseline.seconds:.0f} s)")
+        took = f"{baseline.seconds:.1f}" if baseline.seconds < 10 else f"{baseline.seconds:.0f}"  # not '(0 s)'
+        say(f"{baseline_line(baseline, sweep)} ({took} s)")
 
     beats = {"beat_s": sweep.heartbeat.interval, "stale_s": sweep.heartbeat.grace_period}
     run_once(study, "baseline", measure, done=lambda: load_baseline(study) is not None, say=say, **beats)
