@@ -280,6 +280,12 @@ class SweepSummary:
         """The parent run's `cost/*` metrics."""
         return {f"cost/{k}": float(v) for k, v in self.cost.items() if isinstance(v, (int, float)) and v is not None}
 
+    def compute_line(self) -> str:
+        """The compute line, or "" when the cost line's 'trials' minutes already say it (no nodes, one trial at a
+        time)."""
+        c = self.compute
+        return c.line() if c.nodes or c.overlapped or not self.cost else ""
+
     def pruning_line(self) -> str:
         pct = f" ({self.steps_saved / self.planned_steps:.0%})" if self.planned_steps else ""
         return (
@@ -312,8 +318,8 @@ class SweepSummary:
         if not self.n_complete:
             out.append("no trial completed: every trial was pruned or failed — read the prune reasons in the summary")
         out.append(self.pruning_line())
-        if self.compute.nodes or self.compute.overlapped:  # else the cost line's 'trials' minutes say it all
-            out.append(self.compute.line())
+        if line := self.compute_line():
+            out.append(line)
         if line := self.cost_line():
             out.append(line)
         out += [f"summary:     {self.html}", f"dashboard:   {self.dashboard}"]

@@ -48,6 +48,7 @@ def test_the_page_gives_the_confirmed_verdict_with_the_selection_score_beside_it
     assert "across 3 seeds" in text  # the seed spread
     assert "Best trial on the selection prompts" in text and "selection gain ± 95 % (one comparison)" in text
     assert text.count("✓ = the gain's 95 % interval lies wholly above zero") == 1
+    assert "compute: trials ran" not in text  # the cost line's minutes say it (no nodes, one trial at a time)
     assert not LONG_FLOAT.search(text) and not PYTHON_REPR.search(text)
 
 
