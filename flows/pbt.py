@@ -13,17 +13,22 @@ population.json (the lineage), mlflow.json (its runs), winner.yaml and pbt.html.
 
 from __future__ import annotations
 
+import math
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
+from prefect.logging import get_run_logger
 
 from sweeps.population import load_population
 from tasks.population import (
     POPULATION_FILE,
     Confirmed,
     PopulationRecorder,
+    Round,
     confirm_winner,
     member_name,
     population_root,
@@ -50,6 +55,60 @@ class PopulationSummary:
         return self.lines_
 
 
+class PopulationProgress:
+    """What a person watching `ballast pbt` sees while the members train (the run said nothing until its end: a
+    minute on the tiny model, hours on a real one). On a terminal one line rewritten in place each step — the step,
+    the members' mean reward, the leader of the last ranking, the replacements so far, the ETA; piped (a log, CI), a
+    line at each ranking step and each collapse. A ranking step also says who copied whom and how each knob moved.
+    Every line but the redrawn one also goes to the flow run's log (Prefect's UI)."""
+
+    def __init__(self, total: int, log=None):
+        self.total, self.log = total, log
+        self.tty = sys.stdout.isatty()
+        self.started, self.first, self.replacements, self.drawn = time.perf_counter(), None, 0, False
+        self.leader: int | None = None
+
+    def say(self, line: str) -> None:
+        self.clear()
+        sys.stdout.write(line + "\n")  # the terminal as it is: inside the flow `print` goes to Prefect's log only
+        sys.stdout.flush()
+        if self.log is not None:
+            self.log.info(line)
+
+    def __call__(self, r: Round) -> None:
+        self.first = r.step if self.first is None else self.first  # a resumed population starts later
+        self.replacements += len(r.replaced)
+        rewards = [v for v in r.rewards.values() if v is not None and math.isfinite(v)]
+        done = r.step - self.first + 1
+        eta = (time.perf_counter() - self.started) / done * (r.total - r.step)
+        parts = [f"  step {r.step}/{r.total}"]
+        if rewards:
+            parts.append(f"reward {sum(rewards) / len(rewards):.3f} mean, {max(rewards):.3f} best")
+        self.leader = r.ranking[0] if r.ranking else self.leader  # the last ranking's first
+        if self.leader is not None and r.ranking is None:  # a ranking step's line gives the whole ranking instead
+            parts.append(f"leader {member_name(self.leader)} {r.scores[self.leader]:.3f}")
+        parts += [f"{self.replacements} replaced", f"ETA {eta:.0f} s"]
+        line = ", ".join(parts)
+        for member, why in r.collapsed.items():
+            self.say(f"  step {r.step}: {member_name(member)} collapsed ({why.removeprefix('collapsed: ')})")
+        if r.ranking is not None:
+            order = ", ".join(f"{member_name(i)} {r.scores[i]:.3f}" for i in r.ranking)
+            self.say(f"{line}; ranked: {order}")
+        for e in r.replaced:
+            how = ", ".join(f"{k} {v}" for k, v in e["explored"].items())
+            why = "bottom of the ranking" if e["reason"] == "exploit" else e["reason"]
+            self.say(f"    {member_name(e['member'])} <- copy of {member_name(e['source'])} ({why}); {how}")
+        if self.tty and r.ranking is None and r.step < r.total:
+            sys.stdout.write("\r" + line.ljust(100))
+            sys.stdout.flush()
+            self.drawn = True
+
+    def clear(self) -> None:
+        if self.drawn:
+            sys.stdout.write("\r" + " " * 100 + "\r")
+            self.drawn = False
+
+
 train_task = task(train_population, name="train population", cache_policy=NO_CACHE, persist_result=False)
 confirm_task = task(confirm_winner, name="confirm winner", cache_policy=NO_CACHE, persist_result=False)
 
@@ -64,13 +123,20 @@ def ballast_pbt(file: str, overrides: list[str] | None = None, resume: bool = Fa
     if not resume:  # refuse_a_second_start: no save there, at most an attempt that stopped before its first
         recorder.discard_unsaved_attempt()
     parent = recorder.open()
-    print(
-        f"population {pop.name}: {pop.pbt.population} members, ranked every {pop.pbt.ready} steps; MLflow run {parent}"
+    progress = PopulationProgress(pop.spec().optim.steps, get_run_logger())
+    progress.say(
+        f"population {pop.name}: {pop.pbt.population} members, {pop.spec().optim.steps} steps, ranked every "
+        f"{pop.pbt.ready} on {pop.objective} (selection prompts); MLflow run {parent}"
     )
-    result = train_task(pop, root, resume, recorder)
+    try:
+        result = train_task(pop, root, resume, recorder, progress)
+    finally:
+        progress.clear()
     if result.interrupted:
         recorder.record_end(result, None, [root / POPULATION_FILE])
         return PopulationSummary(pop.name, str(root), result.step, None, interrupted=result.interrupted)
+    if result.winner is not None:
+        progress.say(f"confirming the winner {member_name(result.winner)} against the base model ...")
     confirmed = confirm_task(pop, result, root / "cache")
     replay = write_replay(pop, result, root) if result.winner is not None else None  # every member collapsed: none
     page = write_population_page(pop, result, confirmed, root / "pbt.html")
@@ -80,7 +146,7 @@ def ballast_pbt(file: str, overrides: list[str] | None = None, resume: bool = Fa
         str(root),
         result.step,
         member_name(result.winner) if result.winner is not None else None,
-        confirmed.__dict__ | {"gain": confirmed.gain} if confirmed else None,
+        confirmed.__dict__ | {"gain": confirmed.gain, "beats": confirmed.beats} if confirmed else None,
         str(replay) if replay else None,
         str(page),
         replacements=len(result.events),
@@ -94,10 +160,7 @@ def _lines(s: PopulationSummary, confirmed: Confirmed | None, result) -> list[st
     scores = ", ".join(f"{member_name(i)} {v:.3f}" for i, v in sorted(result.scores.items()))
     out.append(f"  selection scores at step {s.step}: {scores}")
     if confirmed is not None:
-        out.append(
-            f"  confirmed on {confirmed.n_prompts} {confirmed.part} prompts: winner {confirmed.winner:.3f} vs base "
-            f"model {confirmed.baseline:.3f} (gain {confirmed.gain:+.3f})"
-        )
+        out.append(f"  {confirmed.line()}")
     if s.replay:
         out.append(f"  replay the winner's schedule: ballast run {s.replay}")
     else:

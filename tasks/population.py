@@ -18,12 +18,15 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from sweeps.baseline import PER_PROMPT, paired_gain
 from sweeps.population import PopulationSpec
+from sweeps.statistics import clears
 from tasks.eval import eval_baseline, eval_checkpoint, judging_examples
 from tasks.fork import ForkSource
 from tasks.spec import validate_spec
@@ -33,6 +36,7 @@ from trainer.population import (  # noqa: F401  (POPULATION_FILE, read_state: th
     POPULATION_FILE,
     Population,
     PopulationResult,
+    Round,
     member_configs,
     member_name,
     read_state,
@@ -47,22 +51,50 @@ def population_root(pop: PopulationSpec) -> Path:
 
 @dataclass
 class Confirmed:
-    """The winner and the base model on the confirmation prompts (or the selection ones when nothing was kept back)."""
+    """The winner and the base model on the confirmation prompts (or the selection ones when nothing was kept back),
+    paired prompt by prompt as a sweep's verdict is (sweeps/statistics.py): `ci95` the 95 % interval's half-width of
+    the gain, None when the objective has no per-prompt scores. One winner is compared, so z is 1.96."""
 
     winner: float
     baseline: float
     n_prompts: int
     part: str  # "confirmation", "confirm.data" (the user's file) or "selection" (too few to split: optimistic)
+    metric: str = "eval/reward"
+    ci95: float | None = None
+    direction: str = "maximize"
 
     @property
     def gain(self) -> float:
         return self.winner - self.baseline
 
+    @property
+    def beats(self) -> bool:
+        """The winner beats the base model: the gain's 95 % interval lies wholly on the better side of zero."""
+        return self.ci95 is not None and clears(self.gain, self.ci95, self.direction)
+
+    def line(self, who: str = "winner") -> str:
+        """'confirmed on 64 confirmation prompts: winner eval/reward 0.931 vs 0.606 for the base model, +0.33 ± 0.12:
+        beats the base model (± is a 95 % interval, paired over the prompts)'."""
+        where = {
+            "confirmation": f"{self.n_prompts} confirmation prompts",
+            "confirm.data": f"{self.n_prompts} confirm.data prompts",
+        }.get(self.part, f"{self.n_prompts} selection prompts (nothing was kept back: the prompts that ranked it)")
+        head = f"confirmed on {where}: {who} {self.metric} {self.winner:.3g} vs {self.baseline:.3g} for the base model"
+        if self.ci95 is None:
+            return f"{head}, {self.gain:+.2g} ({self.metric} has no per-prompt scores: no interval, no claim)"
+        said = "beats the base model" if self.beats else "does not beat the base model beyond noise"
+        return f"{head}, {self.gain:+.2g} ± {self.ci95:.2g}: {said} (± is a 95 % interval, paired over the prompts)"
+
 
 def train_population(
-    pop: PopulationSpec, root: Path, resume: bool, recorder: PopulationRecorder | None = None
+    pop: PopulationSpec,
+    root: Path,
+    resume: bool,
+    recorder: PopulationRecorder | None = None,
+    on_round: Callable[[Round], None] | None = None,
 ) -> PopulationResult:
-    """Train the population (or resume it from its last save) to optim.steps; its lineage recorded as it goes."""
+    """Train the population (or resume it from its last save) to optim.steps; its lineage recorded as it goes, each
+    step's end told to `on_round` (the progress a person watches: flows/pbt.py)."""
     spec, policy = pop.spec(), pop.policy()
     population = Population(
         root,
@@ -73,6 +105,7 @@ def train_population(
         callbacks_for=recorder.member_callbacks if recorder else (lambda index: ()),
         on_replace=recorder.record_replacement if recorder else None,
         verify_tolerance=spec.fork.verify_tolerance,
+        on_round=on_round,
     )
     try:
         if resume:
@@ -98,9 +131,13 @@ def confirm_winner(pop: PopulationSpec, result: PopulationResult, cache: Path) -
     spec_w = validate_spec({**data, "lora": winner["cfg"]["lora"]}, "confirmation spec")
     won = eval_checkpoint(spec_w, winner["checkpoint"], cache, examples)
     base = eval_baseline(spec, ForkSource(), cache, examples)
-    key = pop.objective
+    key, direction = pop.objective, pop.sweep.objectives[0].direction
     n = len(next(iter(won.per_prompt.values()), []))
-    return Confirmed(won.metrics[key], base.metrics[key], n, part)
+    name = PER_PROMPT.get(key)
+    ci95 = None
+    if name in won.per_prompt and name in base.per_prompt:
+        ci95 = paired_gain(key, won.per_prompt[name], base.per_prompt[name], direction).ci95
+    return Confirmed(won.metrics[key], base.metrics[key], n, part, key, ci95, direction)
 
 
 def replay_spec(pop: PopulationSpec, result: PopulationResult) -> dict:
@@ -209,6 +246,9 @@ class PopulationRecorder:
                     "confirmed/gain": confirmed.gain,
                 }
             )
+            if confirmed.ci95 is not None:
+                metrics["confirmed/ci95"] = confirmed.ci95
+            t.set_tags(parent, {"pbt.verdict": confirmed.line()})
         for k, v in metrics.items():
             t.client.log_metric(parent, k, v, step=result.step)
         winner = member_name(result.winner) if result.winner is not None else None

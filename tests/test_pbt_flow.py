@@ -66,7 +66,8 @@ def test_the_population_records_a_parent_run_and_a_child_run_per_member_with_its
     client = MlflowClient(f"sqlite:///{tmp / 'project' / 'mlflow.db'}")
     parent = client.get_run(runs["parent"])
     assert parent.data.tags["ballast.kind"] == "population" and parent.data.params["pbt.population"] == "2"
-    assert {"confirmed/winner", "confirmed/baseline", "confirmed/gain"} <= set(parent.data.metrics)
+    assert {"confirmed/winner", "confirmed/baseline", "confirmed/gain", "confirmed/ci95"} <= set(parent.data.metrics)
+    assert parent.data.tags["ballast.pbt.verdict"].startswith("confirmed on 8 confirmation prompts: winner ")
     state = json.loads((root / "population.json").read_text())
     for name in ("member-00", "member-01"):
         run = client.get_run(runs[name])
@@ -79,10 +80,23 @@ def test_the_population_records_a_parent_run_and_a_child_run_per_member_with_its
     assert [m.value for m in client.get_metric_history(copied.info.run_id, "pbt/copied_from")] == [event["source"]]
 
 
+def test_the_terminal_follows_the_population_as_it_trains(population):
+    """It said nothing before the end: the start line (printed inside the flow) went to Prefect's log alone."""
+    _, stdout = population
+    lines = stdout.splitlines()
+    assert lines[0].startswith("population tiny-pbt: 2 members, 4 steps, ranked every 2 on eval/reward")
+    ranked = [i for i, line in enumerate(lines) if line.startswith("  step 2/4, ") and "; ranked: member-0" in line]
+    assert ranked and lines[ranked[0] + 1].startswith("    member-0") and " <- copy of member-0" in lines[ranked[0] + 1]
+    assert any(line.startswith("  step 4/4, ") and "; ranked: " in line for line in lines)
+    assert lines.index(next(line for line in lines if line.startswith("confirming the winner member-0"))) > ranked[0]
+
+
 def test_the_winner_is_confirmed_on_prompts_no_ranking_read_and_its_replay_spec_carries_its_schedule(population):
     tmp, stdout = population
     root = tmp / "project" / "populations" / "tiny-pbt"
     assert "confirmed on 8 confirmation prompts" in stdout
+    verdict = next(line for line in stdout.splitlines() if "confirmed on 8 confirmation prompts" in line)
+    assert " ± " in verdict and ("beats the base model" in verdict or "does not beat the base model" in verdict)
     winner = int(stdout.split("winner member-")[1][:2])
     final = json.loads((root / "population.json").read_text())["members"][winner]["hparams"]
     spec = validate_spec(yaml.safe_load((root / "winner.yaml").read_text()), "winner.yaml")
@@ -107,7 +121,8 @@ def test_the_summary_page_draws_the_lineage_and_the_winners_schedule_in_chromium
         assert page.locator("#lineage svg path").count() >= 2  # the winner's lineage and the replacement's arrow
         assert page.locator("#schedule svg path").count() == 2  # beta and the learning rate
         text = page.inner_text("body")
-        assert "member-00" in text and "exploit" in text and "winner member-" in text
+        assert "member-00" in text and "exploit" in text
+        assert "the winner, confirmed on 8 confirmation prompts: member-0" in text  # the banner names it
         page.screenshot(path=str(page_path.with_suffix(".png")), full_page=True)
         browser.close()
     assert not errors

@@ -95,3 +95,47 @@ def test_the_quantile_is_at_most_half_the_population_and_one_member_is_never_rep
     assert quantile_size(policy(), 8) == 2
     assert quantile_size(policy(), 1) == 0
     assert decide(policy(), 4, population(1), {0: 1.0}) == []
+
+
+# ── what a person reads: the confirmed verdict and the progress lines ──────────────────────────────
+
+
+def test_the_confirmed_winner_beats_the_base_model_only_when_its_paired_interval_clears_zero():
+    """The verdict read 'gain +0.325' with no interval, and the page's banner was green for any gain above zero."""
+    from tasks.population import Confirmed
+
+    clear = Confirmed(0.931, 0.606, 64, "confirmation", "eval/reward", 0.12)
+    assert clear.beats
+    assert clear.line() == (
+        "confirmed on 64 confirmation prompts: winner eval/reward 0.931 vs 0.606 for the base model, +0.33 ± 0.12: "
+        "beats the base model (± is a 95 % interval, paired over the prompts)"
+    )
+    noise = Confirmed(0.65, 0.606, 64, "confirmation", "eval/reward", 0.12)
+    assert not noise.beats and noise.line().endswith(
+        "+0.044 ± 0.12: does not beat the base model beyond noise (± is a 95 % interval, paired over the prompts)"
+    )
+    shorter = Confirmed(40.0, 60.0, 8, "confirm.data", "eval/mean_length", 5.0, "minimize")
+    assert shorter.beats and "confirmed on 8 confirm.data prompts" in shorter.line()
+    optimistic = Confirmed(0.9, 0.5, 6, "selection", "eval/reward", 0.1)
+    assert "6 selection prompts (nothing was kept back: the prompts that ranked it)" in optimistic.line()
+    unpaired = Confirmed(0.9, 0.5, 6, "confirmation", "eval/score", None)
+    assert not unpaired.beats and "no interval, no claim" in unpaired.line()
+
+
+def test_a_population_says_each_ranking_and_who_copied_whom_as_it_trains(capsys):
+    """`ballast pbt` said nothing until its end. Piped (here), a line at each ranking step and each collapse."""
+    from flows.pbt import PopulationProgress
+    from trainer.population import Round
+
+    progress = PopulationProgress(total=4)
+    rewards = {0: 0.5, 1: 0.7}
+    progress(Round(1, 4, rewards, None, {}, [], {}))  # no ranking yet: nothing in a log
+    copy = {"member": 0, "source": 1, "reason": "exploit", "explored": {"grpo.beta": "x1.25"}}
+    progress(Round(2, 4, rewards, [1, 0], {0: 0.4, 1: 0.8}, [copy], {}))
+    progress(Round(3, 4, rewards, None, {0: 0.4, 1: 0.8}, [], {1: "collapsed: kl=4.2 > 1"}))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("  step 2/4, reward 0.600 mean, 0.700 best, 1 replaced, ETA ")
+    assert lines[0].endswith("; ranked: member-01 0.800, member-00 0.400")
+    assert lines[1] == "    member-00 <- copy of member-01 (bottom of the ranking); grpo.beta x1.25"
+    assert lines[2] == "  step 3: member-01 collapsed (kl=4.2 > 1)"
+    assert len(lines) == 3

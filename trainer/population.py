@@ -59,6 +59,7 @@ class Member:
     hparams: dict  # the policy's knobs in force (dotted names), and its fixed ones
     score: float | None = None
     collapsed: str | None = None
+    reward: float | None = None  # its last step's mean training reward (what the progress line shows)
 
     @property
     def name(self) -> str:
@@ -102,9 +103,22 @@ def schedule_values(hparams: dict) -> dict:
     return {short: hparams[dotted] for dotted, short in SCHEDULED.items() if dotted in hparams}
 
 
+@dataclass
+class Round:
+    """One step of the whole population, as `Population(on_round=...)` is told it: for the progress a person watches."""
+
+    step: int
+    total: int
+    rewards: dict[int, float | None]  # each member's mean training reward this step
+    ranking: list[int] | None  # on a ranking step, the members best first on the selection score
+    scores: dict[int, float]  # the last ranking's selection scores ({} before the first)
+    replaced: list[dict]  # this step's replacements (the lineage events: member, source, reason, explored, ...)
+    collapsed: dict[int, str]  # the members whose health gate tripped this step, and why
+
+
 class Population(ConcurrentTrials):
     """P members trained together for `total` steps; `callbacks_for(index)`: a member's callbacks (its MLflow run);
-    `on_replace(event)`: told each replacement (its lineage record)."""
+    `on_replace(event)`: told each replacement (its lineage record); `on_round(round)`: told each step's end."""
 
     def __init__(
         self,
@@ -116,12 +130,14 @@ class Population(ConcurrentTrials):
         callbacks_for: Callable[[int], Sequence[Callbacks]] = lambda index: (),
         on_replace: Callable[[dict], None] | None = None,
         verify_tolerance: float = 1e-5,
+        on_round: Callable[[Round], None] | None = None,
     ):
         if ready < 1 or total % ready:
             raise InputError(f"pbt.ready is {ready} and optim.steps {total}; make optim.steps a multiple of pbt.ready")
         super().__init__(slots=NEVER)
         self.root, self.policy, self.ready, self.objective, self.total = Path(root), policy, ready, objective, total
         self.callbacks_for, self.on_replace, self.tolerance = callbacks_for, on_replace, verify_tolerance
+        self.on_round = on_round
         self.members: list[Member] = []
         self.scores: dict[int, float] = {}  # the last ranking's
         self.events: list[dict] = []
@@ -173,14 +189,21 @@ class Population(ConcurrentTrials):
         with SafePoint() as safe_point:
             for step in range(self.step + 1, self.total + 1):
                 collapsed = self._round(step)
+                why = {i: str(self.members[i].collapsed) for i in collapsed}
                 ready = step % self.ready == 0
                 if ready:
                     self.scores = {m.index: _nan(m.score) for m in self.members}
+                rewards = {m.index: m.reward for m in self.members}
+                events = len(self.events)
                 if step < self.total:
                     hparams = {m.index: m.hparams for m in self.members}
                     for r in decide(self.policy, step, hparams, self.scores or None, collapsed, ready):
                         self._replace(r)
                 self.step = step
+                if self.on_round is not None:
+                    ranking = rank(self.policy, self.scores) if ready else None
+                    report = Round(step, self.total, rewards, ranking, dict(self.scores), self.events[events:], why)
+                    self.on_round(report)
                 if ready or step == self.total or safe_point.received:
                     self.save()
                 if safe_point.received:
@@ -204,6 +227,7 @@ class Population(ConcurrentTrials):
                     metrics.update({f"pbt/{k}": v for k, v in t.hyperparameters_at(step).items()})
                     stopped = t.log_step(step, metrics)
                     m.score = metrics.get(self.objective, m.score)
+                    m.reward = metrics.get("reward")
                 except TrainingError as e:  # a non-finite gradient: replaced as a collapsed member is
                     t.step, stopped = step, f"failed: {e}"
             if stopped:
