@@ -862,7 +862,7 @@ def _promote(args) -> int:
     from sweeps.space import SweepError, load_sweep
     from sweeps.study import join_study, make_storage, redact_url, study_storage
 
-    named = load_sweep(args.file, list(args.set))  # a sweep run with --set project_dir=... keeps its study there
+    named = load_sweep(args.file, list(args.set), searching=False)  # --set project_dir=...: its study is there
     url = study_storage(named, args.storage)
     try:
         study, sweep = join_study(named.study_name, make_storage(url))
@@ -890,7 +890,7 @@ def _delete_sweep(args) -> int:
     if args.storage:
         url = args.storage
     elif args.file:
-        url = study_storage(load_sweep(args.file, args.set), None)
+        url = study_storage(load_sweep(args.file, args.set, searching=False), None)
     else:
         url = default_storage(".ballast")
     print(delete_sweep(args.delete, url))

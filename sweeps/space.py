@@ -63,6 +63,7 @@ from tasks.spec import (
     ExperimentSpec,
     SpecError,
     describe_validation_error,
+    parse_set,
     read_yaml_mapping,
     set_path,
     uri_has_password,
@@ -323,9 +324,11 @@ class SweepSpec(_Strict):
 # ------------------------------------------------------------------------------------------ loading
 
 
-def load_sweep(source: str | Path | dict, sets: list[str] | tuple = ()) -> SweepSpec:
+def load_sweep(source: str | Path | dict, sets: list[str] | tuple = (), searching: bool = True) -> SweepSpec:
     """Read and check a sweep file; the base spec is resolved and inlined (`sweep.base` is a dict after), with the
-    command line's `--set key=value` items applied to it (the study stores the result: a resume takes the same)."""
+    command line's `--set key=value` items applied to it (the study stores the result: a resume takes the same). A
+    `--set` of a field the file's overrides also set wins over them; of a field the space searches, it is refused
+    (`searching`: a search runs on this sweep; `--promote` sets what its one run takes, after the trial's values)."""
     if isinstance(source, dict):
         data, where, here, stem = json.loads(json.dumps(source)), "sweep", Path.cwd(), None
     else:
@@ -352,7 +355,14 @@ def load_sweep(source: str | Path | dict, sets: list[str] | tuple = ()) -> Sweep
         key = item.split("=", 1)[0].strip()
         if "=" in item:
             _check_field(key, f"--set {key}")
+        if searching and key in sweep.space:  # every trial's suggestion would replace it: it did nothing, silently
+            raise SweepError(
+                f"--set {key}: {where} searches {key} (field 'space'); drop the --set, or take {key} out of the space "
+                "and set it in 'overrides'"
+            )
         set_path(sweep.base, item)
+        if key in sweep.overrides:  # the file's override would win over the base: the command line's value wins
+            sweep.overrides[key] = parse_set(item)[1]
     if sets:
         try:
             validate_spec(sweep.base, "sweep base spec with --set")

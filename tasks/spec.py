@@ -642,14 +642,19 @@ def _type_name(annotation) -> str:
     return re.sub(r"^Optional\[(.*)\]$", r"\1 | None", text)
 
 
-def set_path(data: dict, item: str) -> None:
+def parse_set(item: str) -> tuple[str, Any]:
+    """`--set key.path=value`: the dotted key and the value read as YAML (a string when it is not YAML)."""
     if "=" not in item:
         raise SpecError(f"--set {item!r}: expected key.path=value, e.g. --set grpo.beta=0.1")
     key, raw = item.split("=", 1)
     try:
-        value = yaml.safe_load(raw)
+        return key.strip(), yaml.safe_load(raw)
     except yaml.YAMLError:
-        value = raw
+        return key.strip(), raw
+
+
+def set_path(data: dict, item: str) -> None:
+    key, value = parse_set(item)
     node = data
     parts = key.strip().split(".")
     for p in parts[:-1]:

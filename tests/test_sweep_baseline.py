@@ -199,6 +199,23 @@ def test_set_overrides_the_base_spec_and_an_unknown_key_is_refused(tmp_path):
         load_sweep({"base": base, "space": SPACE}, ["optim.stepz=12"])
 
 
+def test_set_wins_over_the_files_overrides_and_a_searched_field_is_refused(tmp_path):
+    """`ballast pbt examples/pbt.yaml --set optim.steps=10` trained 40 steps: the file's overrides set optim.steps
+    and were applied over the base spec the --set had edited, and nothing said so."""
+    from sweeps.space import trial_spec
+
+    base = {"name": "rel", "model": {"name_or_path": "/m"}, "project_dir": str(tmp_path)}
+    data = {"base": base, "space": SPACE, "overrides": {"optim.steps": 40, "grpo.num_generations": 4}}
+    sweep = load_sweep(data, ["optim.steps=10"])
+    assert sweep.overrides == {"optim.steps": 10, "grpo.num_generations": 4}
+    assert trial_spec(sweep, {}).optim.steps == 10
+    searched = next(iter(SPACE))
+    with pytest.raises(SweepError, match=f"--set {searched}: sweep searches {searched} \\(field 'space'\\)"):
+        load_sweep(data, [f"{searched}=0.5"])
+    promoted = load_sweep(data, [f"{searched}=0.5"], searching=False)  # --promote: the one run takes it
+    assert promoted.base[searched.split(".")[0]][searched.split(".")[1]] == 0.5
+
+
 def test_a_spent_timeout_starts_no_trial(tmp_path):
     from sweeps.study import optimize
 
