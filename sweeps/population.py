@@ -118,7 +118,7 @@ def load_population(path: str | Path, sets: list[str] | tuple = ()) -> Populatio
     if isinstance(confirm, dict) and isinstance(confirm.get("data"), str) and not Path(confirm["data"]).is_absolute():
         data["confirm"]["data"] = str(here / data["confirm"]["data"])
     data.setdefault("study", path.stem)
-    sweep = load_sweep(data, sets)
+    sweep = load_sweep(data, sets, where=str(path))
     _check(sweep, pbt, str(path))
     return PopulationSpec(sweep, pbt, str(path))
 

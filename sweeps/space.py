@@ -324,13 +324,16 @@ class SweepSpec(_Strict):
 # ------------------------------------------------------------------------------------------ loading
 
 
-def load_sweep(source: str | Path | dict, sets: list[str] | tuple = (), searching: bool = True) -> SweepSpec:
+def load_sweep(
+    source: str | Path | dict, sets: list[str] | tuple = (), searching: bool = True, where: str = "sweep"
+) -> SweepSpec:
     """Read and check a sweep file; the base spec is resolved and inlined (`sweep.base` is a dict after), with the
     command line's `--set key=value` items applied to it (the study stores the result: a resume takes the same). A
     `--set` of a field the file's overrides also set wins over them; of a field the space searches, it is refused
-    (`searching`: a search runs on this sweep; `--promote` sets what its one run takes, after the trial's values)."""
+    (`searching`: a search runs on this sweep; `--promote` sets what its one run takes, after the trial's values).
+    `where`: the name errors give a mapping `source` (a file's own path otherwise)."""
     if isinstance(source, dict):
-        data, where, here, stem = json.loads(json.dumps(source)), "sweep", Path.cwd(), None
+        data, here, stem = json.loads(json.dumps(source)), Path.cwd(), None
     else:
         path = Path(source)
         data = read_yaml_mapping(
@@ -353,6 +356,12 @@ def load_sweep(source: str | Path | dict, sets: list[str] | tuple = (), searchin
         sweep.confirm.data = _confirmation_file(sweep.confirm.data, here, where)
     for item in sets:
         key = item.split("=", 1)[0].strip()
+        head = key.split(".")[0]
+        if head in {*SweepSpec.model_fields, "pbt"} - set(ExperimentSpec.model_fields):
+            raise SweepError(  # concurrent_trials, trials, pbt.ready, ...: the file's, which --set does not edit
+                f"--set {key}: '{head}' is a field of the {'population' if head == 'pbt' else 'sweep'} file, and "
+                f"--set edits its base experiment spec; set {key} in {where}"
+            )
         if "=" in item:
             _check_field(key, f"--set {key}")
         if searching and key in sweep.space:  # every trial's suggestion would replace it: it did nothing, silently

@@ -213,6 +213,9 @@ def test_set_wins_over_the_files_overrides_and_a_searched_field_is_refused(tmp_p
     with pytest.raises(SweepError, match=f"--set {searched}: sweep searches {searched} \\(field 'space'\\)"):
         load_sweep(data, [f"{searched}=0.5"])
     promoted = load_sweep(data, [f"{searched}=0.5"], searching=False)  # --promote: the one run takes it
+    file_field = "^--set concurrent_trials: 'concurrent_trials' is a field of the sweep file"
+    with pytest.raises(SweepError, match=file_field):
+        load_sweep(data, ["concurrent_trials=2"])  # it was 'not a field of the experiment spec' and no more
     assert promoted.base[searched.split(".")[0]][searched.split(".")[1]] == 0.5
 
 
