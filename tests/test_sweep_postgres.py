@@ -79,7 +79,10 @@ def test_two_workers_on_postgres_complete_a_study_without_duplicated_or_lost_tri
     outputs = [w.communicate(timeout=600)[0] for w in workers]
     assert [w.returncode for w in workers] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     scored = [o for o in outputs if "baseline: scoring the base model" in o]
-    confirmed = [o for o in outputs if "] best on the selection prompts: trial" in o]
+    # the confirming worker's own line (8 held-out prompts: not split); the verdict itself is its summary's, and a
+    # worker that finds it stored prints that summary too
+    confirmed = [o for o in outputs if "] confirmation: not split: the held-out set has 8 prompts" in o]
+    assert all(o.count("best on the selection prompts: trial") == 1 for o in outputs if o in confirmed)
     assert len(scored) == 1 and len(confirmed) == 1, "\n=====\n".join(outputs)  # each done by one worker alone
 
     study = optuna.load_study(study_name="pg-sweep", storage=database)
