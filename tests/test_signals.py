@@ -263,3 +263,31 @@ def test_a_signal_during_the_artifact_probe_names_that_stage_and_its_command_fin
         out, resumed_err = ballast(*command[1:]).communicate(timeout=WAIT_S)
         client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
         assert client.get_run(run_id).data.tags["ballast.status"] == "finished", resumed_err[-3000:]
+
+
+@pytest.mark.parametrize("logger", ["prefect.flow_runs", "prefect.task_runs", "prefect.engine"])
+def test_prefects_crash_errors_about_a_signal_are_dropped_from_every_logger_that_says_them(logger):
+    """A flow or task engine logs on 'prefect.engine' until its run's logger is set; a SIGTERM that landed then had
+    'Crash detected! Execution was aborted by a termination signal.' printed above the run's stop line (a CI run of
+    test_a_signal_during_the_artifact_probe...). Other errors on those loggers still get through."""
+    import logging
+
+    from flows.trials.interrupts import interrupts_said_once, signal_crashes_unsaid
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    target, keep = logging.getLogger(logger), Keep()
+    target.addHandler(keep)
+    try:
+        for around in (signal_crashes_unsaid(), interrupts_said_once("ballast sweep s.yaml")):
+            with around:
+                target.error("Crash detected! Execution was aborted by a termination signal.")
+                target.error("Finished in state Crashed('Execution was aborted by an interrupt signal.')")
+                target.error("a real error")
+    finally:
+        target.removeHandler(keep)
+    assert seen == ["a real error", "a real error"]

@@ -11,6 +11,9 @@ from contextlib import contextmanager
 from flows.errors import input_error
 
 PREFECT_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
+# a flow or task engine logs on its own logger, 'prefect.engine', until its run's logger is set, and a signal can land
+# then: 'Crash detected! ...' got through from there once in a CI run (tests/test_signals.py, SIGTERM in the probe)
+CRASH_LOGGERS = (*PREFECT_LOGGERS, "prefect.engine")
 SIGNAL_CRASHES = ("aborted by an interrupt signal.", "aborted by a termination signal.")  # Prefect's state messages
 
 
@@ -80,7 +83,7 @@ def _filtered(filters: dict[logging.Filter, tuple[str, ...]]):
 def signal_crashes_unsaid():
     """Around a run's command (`ballast run`): Prefect's errors about the signal that stopped it are not logged; the
     command prints its own stop line (tasks/results.py RunInterrupted)."""
-    return _filtered({_NoSignalCrashes(): PREFECT_LOGGERS, _NoInputErrorTracebacks(): PREFECT_LOGGERS})
+    return _filtered({_NoSignalCrashes(): CRASH_LOGGERS, _NoInputErrorTracebacks(): PREFECT_LOGGERS})
 
 
 @contextmanager
@@ -89,7 +92,7 @@ def interrupts_said_once(command: str):
     one SweepInterrupted naming `command` to continue the study — no tracebacks from the libraries under it."""
     with _filtered(
         {
-            _NoSignalCrashes(): PREFECT_LOGGERS,
+            _NoSignalCrashes(): CRASH_LOGGERS,
             _NoInterruptedTrials(): ("optuna.study._optimize", *PREFECT_LOGGERS),
             _NoInputErrorTracebacks(): PREFECT_LOGGERS,
         }
