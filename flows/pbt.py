@@ -62,8 +62,8 @@ class PopulationProgress:
     line at each ranking step and each collapse. A ranking step also says who copied whom and how each knob moved.
     Every line but the redrawn one also goes to the flow run's log (Prefect's UI)."""
 
-    def __init__(self, total: int, log=None):
-        self.total, self.log = total, log
+    def __init__(self, log=None):
+        self.log = log
         self.tty = sys.stdout.isatty()
         self.started, self.first, self.replacements, self.drawn = time.perf_counter(), None, 0, False
         self.leader: int | None = None
@@ -123,7 +123,7 @@ def ballast_pbt(file: str, overrides: list[str] | None = None, resume: bool = Fa
     if not resume:  # refuse_a_second_start: no save there, at most an attempt that stopped before its first
         recorder.discard_unsaved_attempt()
     parent = recorder.open()
-    progress = PopulationProgress(pop.spec().optim.steps, get_run_logger())
+    progress = PopulationProgress(get_run_logger())
     progress.say(
         f"population {pop.name}: {pop.pbt.population} members, {pop.spec().optim.steps} steps, ranked every "
         f"{pop.pbt.ready} on {pop.objective} (selection prompts); MLflow run {parent}"

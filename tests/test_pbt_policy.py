@@ -127,7 +127,7 @@ def test_a_population_says_each_ranking_and_who_copied_whom_as_it_trains(capsys)
     from flows.pbt import PopulationProgress
     from trainer.population import Round
 
-    progress = PopulationProgress(total=4)
+    progress = PopulationProgress()
     rewards = {0: 0.5, 1: 0.7}
     progress(Round(1, 4, rewards, None, {}, [], {}))  # no ranking yet: nothing in a log
     copy = {"member": 0, "source": 1, "reason": "exploit", "explored": {"grpo.beta": "x1.25"}}
